@@ -200,6 +200,8 @@ MESSAGES = [
     {"role": "assistant", "content": "I am the first answer."},
     {"role": "user", "content": "Good."},
     {"role": "assistant", "content": " Then 42!"},
+    {"role": "user", "content": "More?"},
+    {"role": "assistant", "content": "\n\nYes:\n"},
 ]
 
 

@@ -10,9 +10,15 @@ Conventions:
   transformers / tokenizers version). Every parameter is redrawn from a
   ``torch.Generator`` seeded from ``(seed, parameter name)``, in float32, then cast
   to the requested dtype. Matrices, embeddings and biases are drawn from
-  ``N(0, WEIGHT_STD)``; RMSNorm weights are ``1 + N(0, NORM_NOISE_STD)``. Default
+  ``N(0, WEIGHT_STD)``, except ``q_proj``/``k_proj`` (weights and biases) from
+  ``N(0, QK_STD)``; RMSNorm weights are ``1 + N(0, NORM_NOISE_STD)``. Default
   transformers init gives near-uniform logits (greedy output collapses to one
-  token); these larger weights give varied greedy output.
+  token); these larger weights give varied greedy output. With q/k at 0.2 too,
+  attention logits have RMS ~5 (near-argmax softmax) and bf16 rounding changes
+  whole rows of the deeper states by up to ~30% (vs fp32 compute), which no
+  tolerance can tell from a wrong row; at 0.1 (logit RMS ~1.3, like Qwen3's
+  normalized q/k) that drops to ~7% while attention still depends on content
+  and relative position.
 * **Dtype.** ``config.json`` carries the requested dtype (``"dtype"``), so vLLM's
   ``dtype="auto"`` and ``from_pretrained(dtype="auto")`` pick it.
   ``tie_word_embeddings`` is false: ``lm_head`` has its own weights.
@@ -29,7 +35,10 @@ Conventions:
   returns ``assistant_masks`` = 1 exactly on the tokens of each assistant
   message's content plus its closing ``<|im_end|>``; the ``<|im_start|>assistant\\n``
   header and the ``\\n`` after ``<|im_end|>`` are 0 (transformers marks a token
-  when its first character lies inside the span). See `ASSISTANT_MASK_DOC`.
+  when its first character lies inside the span; the corpus has no newlines, so
+  no merge contains ``\\n`` and the header's ``\\n`` is always its own token,
+  even when the content starts with newlines).
+  See `ASSISTANT_MASK_DOC`.
 * **Cache.** ``<root>/models/<arch>-<dtype>-<hash>``, root = ``cache_dir`` or
   ``$VLLM_HS_CACHE`` or ``~/.cache/vllm-hs``; hash = first 12 hex digits of the
   SHA-256 of all arguments and `FORMAT_VERSION`. A directory counts as complete
@@ -221,6 +230,7 @@ def build_tiny_model(
 
     models_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=models_dir))
+    tmp.chmod(0o755)  # mkdtemp makes it 0700; the published model is shareable
     try:
         _write_model(tmp, args)
         (tmp / COMPLETE_MARKER).write_text(json.dumps(args, sort_keys=True) + "\n")
