@@ -1,0 +1,372 @@
+"""HuggingFace transformers reference for hidden states: the ground truth that engine
+tests compare against.
+
+Layer-id convention (vLLM's EAGLE-3 aux-hidden-state convention; ``L`` =
+``num_hidden_layers``):
+
+* ``k`` in ``[0, L)``: the residual stream *entering* decoder layer ``k``
+  (``hidden_states + residual`` in vLLM) = HF ``outputs.hidden_states[k]``;
+  ``k = 0`` is the embedding output.
+* ``L``, and ``-1`` as an alias of ``L``: the output of the last decoder layer
+  *before* the final norm. HF's ``hidden_states[L]`` is *after* the final norm in
+  Llama/Qwen, so this value is captured from the input of ``model.model.norm``.
+* ``"final_norm"``: the state after the final norm, the input of the LM head
+  (= HF ``hidden_states[-1]``).
+
+Tensors are ``[T, K, H]``: row ``t`` is the position of ``token_ids[t]``, column
+``k`` is ``layers[k]``, dtype is the model's dtype. One forward pass over the whole
+sequence, batch 1, no padding, eager attention, CPU.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "FINAL_NORM",
+    "TOLERANCES",
+    "LayerId",
+    "Tolerance",
+    "assert_states_close",
+    "clear_hf_model_cache",
+    "hf_greedy",
+    "hf_hidden_states",
+    "hf_sequence_states",
+    "load_hf_model",
+    "resolve_layer_ids",
+    "tolerances_for",
+]
+
+FINAL_NORM = "final_norm"
+
+LayerId = int | str
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Tolerances of `assert_states_close`; both checks must pass.
+
+    * per element: ``|a - e| <= atol * scale_k + rtol * |e|``, ``scale_k`` = RMS of
+      the expected values of layer column ``k`` (all rows). Per-column scaling
+      matters: in the tiny models the embedding column has RMS ~0.2, the deeper
+      residual columns ~10-25.
+    * per (row, column): ``||a - e||_2 <= row_rtol * ||e||_2`` over the hidden
+      dimension.
+    """
+
+    atol: float
+    rtol: float
+    row_rtol: float
+
+
+#: Chosen from measurements on the tiny models (3 archs x seeds 0-2, 32/128/512
+#: tokens; "el" = max over elements of ``|a - e| / (scale_k + |e|)``, "row" = max
+#: relative L2 error of a row):
+#:
+#: * float32: fp32 vs float64 compute el <= 1.0e-5, row <= 4.2e-6; eager vs sdpa
+#:   attention el <= 7.2e-6, row <= 3.1e-6 (vLLM vs HF: ~4e-6 at the final norm).
+#:   1e-4 leaves a 10x margin; a wrong row or layer is off by ~0.3-1.
+#: * bfloat16: bf16 compute vs the same bf16 weights computed in fp32 el <= 0.19,
+#:   row <= 0.074 (0.10 / 0.054 up to 128 tokens); bf16 eager vs sdpa el <= 0.14,
+#:   row <= 0.061. That is far more than "a few ulps": rounding of the attention
+#:   logits and of every layer output is amplified through 4 layers. Two bf16
+#:   implementations each carry such an error, hence el 0.3 and row 0.15 (good up
+#:   to ~512 tokens). Mis-associations stay far outside: a one-layer shift has
+#:   el >= 0.76 and row >= 0.3 on every row, a position shift / another
+#:   sequence / zeros have row ~1.
+TOLERANCES: dict[torch.dtype, Tolerance] = {
+    torch.float32: Tolerance(atol=1e-4, rtol=1e-4, row_rtol=1e-4),
+    torch.bfloat16: Tolerance(atol=0.3, rtol=0.3, row_rtol=0.15),
+}
+
+_MODEL_CACHE: dict[tuple[str, torch.dtype], Any] = {}
+
+
+def _as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return None
+    value = getattr(torch, str(dtype), None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}")
+    return value
+
+
+def load_hf_model(model_dir: Path | str, dtype: torch.dtype | str | None = None) -> Any:
+    """Load a causal LM from a local directory: eval mode, CPU, eager attention.
+
+    ``dtype=None`` (or ``"auto"``) uses the dtype in ``config.json``. Models are
+    cached per (resolved directory, dtype) for the life of the process; callers
+    must not modify the returned model.
+    """
+    from transformers import AutoModelForCausalLM
+
+    directory = str(Path(model_dir).resolve())
+    torch_dtype = _as_dtype(dtype)
+    if torch_dtype is None:
+        torch_dtype = _config_dtype(directory)
+    key = (directory, torch_dtype)
+    model = _MODEL_CACHE.get(key)
+    if model is None:
+        model = AutoModelForCausalLM.from_pretrained(
+            directory, dtype=torch_dtype, attn_implementation="eager", device_map=None
+        )
+        model.to("cpu").eval()
+        _MODEL_CACHE[key] = model
+    return model
+
+
+def _config_dtype(model_dir: str) -> torch.dtype:
+    """The dtype in ``config.json`` (``dtype`` or legacy ``torch_dtype``); float32
+    when absent, as transformers does."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    value = _as_dtype(name)
+    return value if value is not None else torch.float32
+
+
+def clear_hf_model_cache() -> None:
+    """Drop every model cached by `load_hf_model`."""
+    _MODEL_CACHE.clear()
+
+
+def resolve_layer_ids(
+    layers: Sequence[LayerId], num_hidden_layers: int
+) -> list[LayerId]:
+    """Validate layer ids and map ``-1`` to ``L``; returns ints in ``[0, L]`` or
+    ``"final_norm"``."""
+    if isinstance(layers, (str, int)):
+        raise TypeError("layers must be a sequence of layer ids, not a single id")
+    num = num_hidden_layers
+    out: list[LayerId] = []
+    for layer in layers:
+        if isinstance(layer, str):
+            if layer != FINAL_NORM:
+                raise ValueError(f"unknown layer id {layer!r}; strings: {FINAL_NORM!r}")
+            out.append(layer)
+        elif isinstance(layer, int) and not isinstance(layer, bool):
+            if layer == -1:
+                out.append(num)
+            elif 0 <= layer <= num:
+                out.append(layer)
+            else:
+                raise ValueError(
+                    f"layer id {layer} out of range: allowed 0..{num} "
+                    f"(num_hidden_layers), -1 (= {num}) or {FINAL_NORM!r}"
+                )
+        else:
+            raise TypeError(f"layer id must be int or str, got {type(layer).__name__}")
+    if not out:
+        raise ValueError("layers must not be empty")
+    return out
+
+
+def _check_token_ids(token_ids: Sequence[int], vocab_size: int) -> list[int]:
+    ids = [int(t) for t in token_ids]
+    if not ids:
+        raise ValueError("token_ids must not be empty")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"token ids out of range [0, {vocab_size}): {bad[:8]}")
+    return ids
+
+
+@torch.no_grad()
+def hf_hidden_states(
+    model_dir: Path | str,
+    token_ids: Sequence[int],
+    layers: Sequence[LayerId],
+    *,
+    dtype: torch.dtype | str | None = None,
+) -> torch.Tensor:
+    """Hidden states ``[T, K, H]`` of ``token_ids`` at ``layers`` (module docstring
+    for the id convention), in the model's dtype, from one forward pass."""
+    model = load_hf_model(model_dir, dtype)
+    num_layers = model.config.num_hidden_layers
+    ids = _check_token_ids(token_ids, model.config.vocab_size)
+    resolved = resolve_layer_ids(layers, num_layers)
+
+    captured: list[torch.Tensor] = []
+
+    def pre_norm_hook(_module: Any, args: tuple[Any, ...]) -> None:
+        captured.append(args[0].detach())
+
+    handle = model.model.norm.register_forward_pre_hook(pre_norm_hook)
+    try:
+        out = model(
+            input_ids=torch.tensor([ids], dtype=torch.long),
+            output_hidden_states=True,
+            use_cache=False,
+        )
+    finally:
+        handle.remove()
+    hidden = out.hidden_states
+    if len(hidden) != num_layers + 1 or len(captured) != 1:
+        raise RuntimeError(
+            f"unexpected HF outputs: {len(hidden)} hidden states for {num_layers} "
+            f"layers, {len(captured)} final-norm inputs"
+        )
+    columns = []
+    for layer in resolved:
+        if layer == FINAL_NORM:
+            columns.append(hidden[-1][0])
+        elif layer == num_layers:
+            columns.append(captured[0][0])
+        else:
+            columns.append(hidden[layer][0])
+    return torch.stack(columns, dim=1).contiguous()
+
+
+def hf_sequence_states(
+    model_dir: Path | str,
+    prompt_ids: Sequence[int],
+    output_ids: Sequence[int],
+    layers: Sequence[LayerId],
+    *,
+    dtype: torch.dtype | str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """States for a prompt and its generated tokens: ``(prompt_rows [P, K, H],
+    output_rows [G - 1, K, H])``.
+
+    Computed on ``prompt_ids + output_ids[:-1]``: the last sampled token never
+    enters the model, so output row ``j`` is the position of ``output_ids[j]``
+    (whose states produced ``output_ids[j + 1]``). ``G = 0`` gives ``[0, K, H]``.
+    """
+    prompt = [int(t) for t in prompt_ids]
+    output = [int(t) for t in output_ids]
+    states = hf_hidden_states(model_dir, prompt + output[:-1], layers, dtype=dtype)
+    return states[: len(prompt)], states[len(prompt) :]
+
+
+@torch.no_grad()
+def hf_greedy(
+    model_dir: Path | str,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    *,
+    dtype: torch.dtype | str | None = None,
+    stop_at_eos: bool = False,
+) -> list[int]:
+    """Greedy (argmax) continuation of ``prompt_ids``: up to ``max_new_tokens`` new
+    token ids, prompt excluded. Runs with a KV cache, like an engine does. EOS does
+    not stop it unless ``stop_at_eos`` (then the EOS id is the last one returned).
+    """
+    model = load_hf_model(model_dir, dtype)
+    ids = _check_token_ids(prompt_ids, model.config.vocab_size)
+    eos = model.config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    generated: list[int] = []
+    if max_new_tokens <= 0:
+        return generated
+    out = model(input_ids=torch.tensor([ids], dtype=torch.long), use_cache=True)
+    while True:
+        token = int(out.logits[0, -1].argmax())
+        generated.append(token)
+        if len(generated) >= max_new_tokens or (stop_at_eos and token in eos_ids):
+            return generated
+        out = model(
+            input_ids=torch.tensor([[token]], dtype=torch.long),
+            past_key_values=out.past_key_values,
+            use_cache=True,
+        )
+
+
+def tolerances_for(dtype: torch.dtype | str) -> Tolerance:
+    """The `Tolerance` of `assert_states_close` for states of this dtype (see
+    `TOLERANCES` for the measurements behind the values)."""
+    torch_dtype = _as_dtype(dtype)
+    if torch_dtype not in TOLERANCES:
+        known = [str(d).removeprefix("torch.") for d in TOLERANCES]
+        raise ValueError(f"no tolerances for dtype {dtype!r}; known: {known}")
+    return TOLERANCES[torch_dtype]
+
+
+def assert_states_close(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    *,
+    dtype: torch.dtype | str,
+    what: str,
+    layers: Sequence[LayerId] | None = None,
+    tolerance: Tolerance | None = None,
+    row_offset: int = 0,
+) -> None:
+    """Assert ``actual`` matches ``expected`` (both ``[T, K, H]``, or ``[T, H]``).
+
+    Uses ``tolerance`` or `tolerances_for` ``(dtype)``; both the per-element and
+    the per-row check of `Tolerance` must pass. Comparison is in float32;
+    non-finite values (actual or expected) fail. On failure the AssertionError
+    names ``what``, the worst row (position = ``row_offset`` + row index), layer
+    column (with its id when ``layers`` is given), the max abs diff, and per
+    column the max abs diff, worst row error and failing rows.
+    """
+    tol = tolerance if tolerance is not None else tolerances_for(dtype)
+    if tuple(actual.shape) != tuple(expected.shape):
+        raise AssertionError(
+            f"{what}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}"
+        )
+    if actual.dim() == 2:
+        actual, expected = actual[:, None, :], expected[:, None, :]
+    if actual.dim() != 3:
+        raise AssertionError(
+            f"{what}: expected [T, K, H] or [T, H], got {actual.shape}"
+        )
+    if layers is not None and len(layers) != actual.shape[1]:
+        raise AssertionError(
+            f"{what}: {len(layers)} layer ids for {actual.shape[1]} columns"
+        )
+    if actual.shape[0] == 0:
+        return
+    a = actual.detach().to("cpu", torch.float32)
+    e = expected.detach().to("cpu", torch.float32)
+    inf = float("inf")
+    diff = (a - e).abs().nan_to_num(inf, inf, inf)  # [T, K, H]
+    scale = e.pow(2).mean(dim=(0, 2), keepdim=True).sqrt()  # [1, K, 1]
+    allowed = tol.atol * scale + tol.rtol * e.abs()
+    bad_elem = ~(diff <= allowed)  # a NaN in expected makes `allowed` NaN: bad
+    row_err = (a - e).norm(dim=2).nan_to_num(inf, inf, inf)  # [T, K]
+    row_allowed = tol.row_rtol * e.norm(dim=2)
+    bad_row = ~(row_err <= row_allowed) | bad_elem.any(dim=2)  # [T, K]
+    if not bool(bad_row.any()):
+        return
+
+    def col_name(k: int) -> str:
+        return (
+            f"column {k} (layer {layers[k]!r})" if layers is not None else f"column {k}"
+        )
+
+    # Worst offender: largest ratio of error to allowance, elements and rows alike.
+    elem_ratio = (diff / allowed.clamp_min(1e-30)).amax(dim=2)  # [T, K]
+    row_ratio = row_err / row_allowed.clamp_min(1e-30)
+    ratio = torch.maximum(elem_ratio, row_ratio)
+    flat = int(ratio.argmax())
+    row, col = divmod(flat, ratio.shape[1])
+    h = int(diff[row, col].argmax())
+    rel = row_err / e.norm(dim=2).clamp_min(1e-30)
+    lines = [
+        f"{what}: hidden states differ at {int(bad_row.sum())} of {bad_row.numel()} "
+        f"(row, column) pairs ({int(bad_elem.sum())} elements); dtype {dtype}, "
+        f"atol={tol.atol} x column RMS, rtol={tol.rtol}, row_rtol={tol.row_rtol}",
+        f"  worst: row {row} (position {row + row_offset}), {col_name(col)}: "
+        f"row L2 error {rel[row, col].item():.4g} x ||expected||; hidden index {h}: "
+        f"actual {a[row, col, h].item():.6g}, expected {e[row, col, h].item():.6g}, "
+        f"|diff| {diff[row, col, h].item():.6g}, "
+        f"allowed {allowed[row, col, h].item():.3g}",
+        f"  max abs diff: {diff.max().item():.6g}",
+    ]
+    for k in range(actual.shape[1]):
+        rows = bad_row[:, k].nonzero().flatten().tolist()
+        status = f"{len(rows)} bad rows, first {rows[:8]}" if rows else "ok"
+        lines.append(
+            f"  {col_name(k)}: RMS {scale[0, k, 0].item():.4g}, max abs diff "
+            f"{diff[:, k].max().item():.4g}, max row error "
+            f"{rel[:, k].max().item():.3g}: {status}"
+        )
+    raise AssertionError("\n".join(lines))
