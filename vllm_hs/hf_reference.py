@@ -73,13 +73,16 @@ class Tolerance:
 #:   attention el <= 7.2e-6, row <= 3.1e-6 (vLLM vs HF: ~4e-6 at the final norm).
 #:   1e-4 leaves a 10x margin; a wrong row or layer is off by ~0.3-1.
 #: * bfloat16: bf16 compute vs the same bf16 weights computed in fp32 el <= 0.19,
-#:   row <= 0.074 (0.10 / 0.054 up to 128 tokens); bf16 eager vs sdpa el <= 0.14,
+#:   row <= 0.074 (0.15 / 0.070 up to 128 tokens); bf16 eager vs sdpa el <= 0.14,
 #:   row <= 0.061. That is far more than "a few ulps": rounding of the attention
 #:   logits and of every layer output is amplified through 4 layers. Two bf16
 #:   implementations each carry such an error, hence el 0.3 and row 0.15 (good up
-#:   to ~512 tokens). Mis-associations stay far outside: a one-layer shift has
-#:   el >= 0.76 and row >= 0.3 on every row, a position shift / another
-#:   sequence / zeros have row ~1.
+#:   to ~512 tokens).
+#:
+#: Mis-associations stay far outside in both dtypes (128 distinct tokens, every
+#: row and every column): a one-layer shift has row >= 0.34 (el >= 1.9 in each
+#: column); pre-norm vs final_norm row >= 0.93; a one-position shift row >= 0.95;
+#: another sequence row >= 1.06; zeros row = 1.
 TOLERANCES: dict[torch.dtype, Tolerance] = {
     torch.float32: Tolerance(atol=1e-4, rtol=1e-4, row_rtol=1e-4),
     torch.bfloat16: Tolerance(atol=0.3, rtol=0.3, row_rtol=0.15),
