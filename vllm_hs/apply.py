@@ -209,7 +209,7 @@ def _git_apply(patch: Patch, stage: Path, *, reverse: bool) -> None:
     command = ["git", "apply", "--whitespace=nowarn"]
     if reverse:
         command.append("--reverse")
-    command.append(str(patch.path))
+    command.append(str(patch.path.resolve()))  # git runs in the stage, not here
     # The stage is not a git repository: keep git from finding one above it, or
     # from using one named by the caller's environment.
     env = {k: v for k, v in os.environ.items() if k not in _GIT_REPO_VARIABLES}

@@ -8,11 +8,14 @@ The result keeps the upstream distribution name and wheel tags and gets the vers
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import subprocess
 import sys
+import sysconfig
 import tempfile
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,8 +24,16 @@ from packaging.tags import sys_tags
 from packaging.utils import canonicalize_name, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
 
-from vllm_hs.apply import add_series_dir_argument, apply_series
-from vllm_hs.series import VllmHsError
+from vllm_hs.apply import add_series_dir_argument, apply_series, read_marker
+from vllm_hs.series import (
+    MARKER_FILE,
+    VERSION_FILE,
+    VllmHsError,
+    default_series_root,
+    load_series,
+    read_tree_version,
+)
+from vllm_hs.status import installed_status
 
 
 @dataclass(frozen=True)
@@ -114,7 +125,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--install",
         action="store_true",
         help="then install the patched wheel into this Python with "
-        "'pip install --no-deps --force-reinstall' (dependencies stay as they are)",
+        "'pip install --no-deps --force-reinstall' (dependencies stay as they are); "
+        "skipped when this very build is already installed and intact",
+    )
+    parser.add_argument(
+        "--rebuild",
+        action="store_true",
+        help="build even if --out already holds a wheel whose marker shows the same "
+        "series applied to the same upstream files",
     )
     add_series_dir_argument(parser)
     parser.set_defaults(handler=run_wheel)
@@ -125,7 +143,9 @@ def run_wheel(args: argparse.Namespace) -> int:
         upstream = args.wheel
     else:
         upstream = fetch_upstream_wheel(args.vllm, args.cache or default_cache_dir())
-    patched = build_patched_wheel(upstream, args.out, args.series_dir)
+    patched = build_patched_wheel(
+        upstream, args.out, args.series_dir, rebuild=args.rebuild
+    )
     if args.install:
         install_wheel(patched)
     print(patched)
@@ -212,12 +232,23 @@ def patched_version(upstream_version: str, revision: int) -> str:
 
 
 def build_patched_wheel(
-    upstream: Path, out_dir: Path, series_root: Path | None = None
+    upstream: Path,
+    out_dir: Path,
+    series_root: Path | None = None,
+    *,
+    rebuild: bool = False,
 ) -> Path:
-    """Patch an upstream vLLM wheel; return the path of the new wheel in out_dir."""
+    """Patch an upstream vLLM wheel; return the path of the new wheel in out_dir.
+
+    A wheel already in out_dir is reused when its marker equals the one the series
+    gives on this upstream wheel's files (unless rebuild=True).
+    """
     if not upstream.is_file():
         raise VllmHsError(f"{upstream} does not exist")
     name = WheelName.parse(upstream.name)
+    if not rebuild and (existing := _up_to_date_build(upstream, out_dir, series_root)):
+        _progress(f"{existing} is up to date; reusing it (--rebuild to force)")
+        return existing
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="vllm-hs-wheel-") as scratch:
         _progress(f"unpacking {upstream.name}")
@@ -245,7 +276,36 @@ def build_patched_wheel(
     return built
 
 
+def _up_to_date_build(
+    upstream: Path, out_dir: Path, series_root: Path | None
+) -> Path | None:
+    """The wheel in out_dir whose marker matches the series applied to upstream."""
+    name = WheelName.parse(upstream.name)
+    with tempfile.TemporaryDirectory(prefix="vllm-hs-check-") as scratch:
+        tree = Path(scratch)
+        with zipfile.ZipFile(upstream) as archive:
+            archive.extract(VERSION_FILE, tree)
+            series = load_series(
+                series_root or default_series_root(), read_tree_version(tree)
+            )
+            present = set(archive.namelist())
+            archive.extractall(tree, [p for p in series.touched_paths if p in present])
+        expected_marker = apply_series(tree, series_root).marker
+    candidate = out_dir / name.filename(patched_version(name.version, series.revision))
+    if not candidate.is_file():
+        return None
+    with zipfile.ZipFile(candidate) as archive:
+        if MARKER_FILE not in archive.namelist():
+            return None
+        built_marker = json.loads(archive.read(MARKER_FILE))
+    return candidate if built_marker == expected_marker else None
+
+
 def install_wheel(path: Path) -> None:
+    """pip install --no-deps --force-reinstall, unless this very build is installed."""
+    if _is_installed(path):
+        _progress(f"{path.name} is already installed and intact; not reinstalling")
+        return
     command = [
         sys.executable,
         "-m",
@@ -257,6 +317,24 @@ def install_wheel(path: Path) -> None:
     ]
     _progress(f"installing {path.name} into {sys.prefix}")
     _run(command, what="pip install", stream=True)
+
+
+def _is_installed(path: Path) -> bool:
+    """Whether the importable vllm came from a wheel with the same name and marker."""
+    status = installed_status()
+    if status.tree is None or not status.patched or status.mismatches:
+        return False
+    name = WheelName.parse(path.name)
+    with zipfile.ZipFile(path) as archive:
+        built_marker = json.loads(archive.read(MARKER_FILE))
+    installed = [(canonicalize_name(d.name), d.version) for d in status.distributions]
+    expected = (canonicalize_name(name.distribution), name.version)
+    site_dirs = {sysconfig.get_paths()[key] for key in ("purelib", "platlib")}
+    return (
+        installed == [expected]
+        and status.tree in {str(Path(d).resolve()) for d in site_dirs}
+        and read_marker(Path(status.tree)) == built_marker
+    )
 
 
 def _reversion(unpacked: Path, version: str) -> Path:
