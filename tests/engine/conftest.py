@@ -1,0 +1,55 @@
+"""Fixtures for tests that start the real patched vLLM engine.
+
+Engines are expensive (in-process ~2 s, multiprocess ~15-40 s), so each test
+module shares one engine per mode. The in-process engine runs eager; the
+multiprocess engine runs vLLM's default compiled (inductor) model, as users do.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+vllm = pytest.importorskip("vllm", reason="the patched vLLM wheel is not installed")
+
+from harness import BUDGET, CAP_BYTES, MAIN_LAYERS, MODES, engine  # noqa: E402
+
+from vllm_hs.tiny_model import build_tiny_model  # noqa: E402
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        item.add_marker(pytest.mark.engine)
+
+
+@pytest.fixture(scope="session")
+def llama_fp32() -> str:
+    return str(build_tiny_model("llama", "float32"))
+
+
+@pytest.fixture(scope="session")
+def qwen3_bf16() -> str:
+    return str(build_tiny_model("qwen3", "bfloat16"))
+
+
+@pytest.fixture(scope="module", params=MODES)
+def main_engine(request: pytest.FixtureRequest, llama_fp32: str):
+    """Llama fp32 engine with chunked prefill (32-token budget), prefix caching
+    on and a per-request cap; yields (llm, mode)."""
+    mode = request.param
+    with engine(
+        llama_fp32,
+        mode,
+        dtype="float32",
+        hidden_states_config={"layers": MAIN_LAYERS, "max_bytes_per_request": CAP_BYTES},
+        max_num_batched_tokens=BUDGET,
+        max_num_seqs=8,
+        enable_prefix_caching=True,
+        block_size=32,  # the CPU default (128) would hide short shared prefixes
+        enforce_eager=(mode == "inproc"),
+    ) as llm:
+        yield llm, mode

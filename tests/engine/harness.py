@@ -1,0 +1,138 @@
+"""Start real (patched) vLLM engines and check their hidden states against HF.
+
+Every check recomputes the expected rows with HF transformers on the same weights
+(`vllm_hs.hf_reference`) from the request's own prompt and generated tokens, so
+a row from the wrong position, layer or request fails, as do zeros.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vllm_hs.hf_reference import assert_states_close, hf_sequence_states
+
+MODES = ("inproc", "mp")
+"""Engine modes: the in-process engine core (no serialization) and the default
+multiprocess engine (worker -> core over shared memory, core -> frontend over
+msgpack)."""
+
+
+# Layer set of the main test engine (tests/engine/conftest.py) of the main engine; -1 resolves to L=4.
+MAIN_LAYERS: list[int | str] = [0, 2, -1, "final_norm"]
+MAIN_RESOLVED: list[int | str] = [0, 2, 4, "final_norm"]
+ROW_BYTES = 4 * 128 * 4  # 4 layers x hidden 128 x fp32
+CAP_BYTES = 256 * ROW_BYTES
+BUDGET = 32  # max_num_batched_tokens: long prompts prefill in many chunks
+
+
+@contextlib.contextmanager
+def engine(model_dir: str, mode: str, **kwargs: Any) -> Iterator[Any]:
+    """A vLLM `LLM` in `mode`, shut down and cleaned up on exit."""
+    from vllm import LLM
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    assert mode in MODES, mode
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if mode == "mp" else "0"
+    options: dict[str, Any] = dict(
+        max_model_len=512,
+        kv_cache_memory_bytes=64 << 20,
+        seed=0,
+    )
+    options.update(kwargs)
+    llm = LLM(model_dir, **options)
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+        cleanup_dist_env_and_memory()
+
+
+def greedy(max_tokens: int, **kwargs: Any) -> Any:
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs
+    )
+
+
+def tokens_prompt(token_ids: Sequence[int]) -> Any:
+    from vllm.inputs import TokensPrompt
+
+    return TokensPrompt(prompt_token_ids=list(token_ids))
+
+
+def seeded_prompt(seed: int, length: int, vocab: int = 1024, low: int = 8) -> list[int]:
+    """Deterministic token ids in [low, vocab) (below `low`: special tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(low, vocab, (length,), generator=g).tolist()
+
+
+@dataclass
+class Expect:
+    """What a request asked for, resolved to the layer ids of its columns."""
+
+    layers: list[int | str]
+    prompt: bool = True
+    output: bool = True
+
+
+def check_output(
+    request_output: Any,
+    model_dir: str,
+    expect: Expect | None,
+    dtype: torch.dtype | str,
+    what: str,
+) -> None:
+    """Check every hidden-state row of one RequestOutput (all completions)."""
+    prompt_ids = list(request_output.prompt_token_ids)
+    if expect is None:
+        assert request_output.prompt_hidden_states is None, what
+        for completion in request_output.outputs:
+            assert completion.hidden_states is None, what
+        return
+    prompt_rows = request_output.prompt_hidden_states
+    checked_prompt = False
+    for completion in request_output.outputs:
+        token_ids = list(completion.token_ids)
+        ref_prompt, ref_output = hf_sequence_states(
+            model_dir, prompt_ids, token_ids, expect.layers, dtype=dtype
+        )
+        label = f"{what} completion {completion.index}"
+        if expect.prompt and not checked_prompt:
+            assert prompt_rows is not None, f"{what}: no prompt_hidden_states"
+            assert prompt_rows.dtype == ref_prompt.dtype, (prompt_rows.dtype, what)
+            assert_states_close(
+                prompt_rows,
+                ref_prompt,
+                dtype=dtype,
+                what=f"{what} prompt",
+                layers=expect.layers,
+            )
+            checked_prompt = True
+        elif not expect.prompt:
+            assert prompt_rows is None, f"{what}: unexpected prompt states"
+        if expect.output:
+            rows = completion.hidden_states
+            assert rows is not None, f"{label}: no hidden_states"
+            assert rows.shape[0] == max(len(token_ids) - 1, 0), (
+                f"{label}: {rows.shape[0]} rows for {len(token_ids)} tokens"
+            )
+            assert_states_close(
+                rows,
+                ref_output,
+                dtype=dtype,
+                what=f"{label} output",
+                layers=expect.layers,
+                row_offset=len(prompt_ids),
+            )
+        else:
+            assert completion.hidden_states is None, f"{label}: unexpected rows"

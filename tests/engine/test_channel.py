@@ -1,0 +1,246 @@
+"""The hidden-state channel on one engine per mode, every row against HF."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from harness import (
+    BUDGET,
+    MAIN_RESOLVED,
+    Expect,
+    check_output,
+    greedy,
+    seeded_prompt,
+    tokens_prompt,
+)
+
+from vllm_hs.hf_reference import hf_greedy
+
+DTYPE = torch.float32
+
+
+def test_mixed_batch(main_engine, llama_fp32):
+    """With and without states, different layer subsets and lengths, one batch."""
+    llm, mode = main_engine
+    cases = [
+        (seeded_prompt(1, 20), greedy(6, hidden_states={}), Expect(MAIN_RESOLVED)),
+        (seeded_prompt(2, 13), greedy(6), None),
+        (
+            seeded_prompt(3, 40),
+            greedy(5, hidden_states={"layers": ["final_norm", 2], "prompt": False}),
+            Expect(["final_norm", 2], prompt=False),
+        ),
+        (
+            seeded_prompt(4, 7),
+            greedy(3, hidden_states={"layers": [-1, 0], "output": False}),
+            Expect([4, 0], output=False),
+        ),
+        (seeded_prompt(5, 120), greedy(4, hidden_states={"layers": [0]}), Expect([0])),
+    ]
+    outputs = llm.generate(
+        [tokens_prompt(p) for p, _, _ in cases],
+        [sp for _, sp, _ in cases],
+        use_tqdm=False,
+    )
+    assert len(outputs) == len(cases)
+    for i, (out, (prompt, sp, expect)) in enumerate(zip(outputs, cases)):
+        assert list(out.prompt_token_ids) == prompt
+        assert list(out.outputs[0].token_ids) == hf_greedy(
+            llama_fp32, prompt, sp.max_tokens
+        ), f"[{mode}] request {i}: tokens differ from HF greedy"
+        check_output(out, llama_fp32, expect, DTYPE, f"[{mode}] request {i}")
+        if expect is not None and expect.prompt:
+            assert out.prompt_hidden_states.shape == (len(prompt), len(expect.layers), 128)
+
+
+def test_chunked_prefill(main_engine, llama_fp32):
+    """A prompt split over at least three prefill steps."""
+    llm, mode = main_engine
+    assert llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens == BUDGET
+    prompt = seeded_prompt(6, 5 * BUDGET - 3)
+    assert len(prompt) > 3 * BUDGET
+    (out,) = llm.generate(
+        [tokens_prompt(prompt)], greedy(8, hidden_states={}), use_tqdm=False
+    )
+    check_output(out, llama_fp32, Expect(MAIN_RESOLVED), DTYPE, f"[{mode}] chunked")
+
+
+def test_prefix_caching(main_engine, llama_fp32):
+    """Shared prefixes and a repeated prompt: never short; prompt-state requests
+    skip reading the cache, output-only requests keep it."""
+    llm, mode = main_engine
+    prefix = seeded_prompt(10, 64)  # two full 32-token blocks
+    first = prefix + seeded_prompt(11, 10)
+    warm, = llm.generate([tokens_prompt(first)], greedy(4), use_tqdm=False)
+    check_output(warm, llama_fp32, None, DTYPE, f"[{mode}] warm-up")
+
+    shared = prefix + seeded_prompt(12, 9)
+    out, = llm.generate(
+        [tokens_prompt(shared)], greedy(4, hidden_states={}), use_tqdm=False
+    )
+    assert out.num_cached_tokens == 0, "prompt-state request read the prefix cache"
+    check_output(out, llama_fp32, Expect(MAIN_RESOLVED), DTYPE, f"[{mode}] shared")
+
+    output_only = prefix + seeded_prompt(13, 9)
+    out, = llm.generate(
+        [tokens_prompt(output_only)],
+        greedy(6, hidden_states={"prompt": False}),
+        use_tqdm=False,
+    )
+    assert out.num_cached_tokens >= 32, "output-only request lost the prefix cache"
+    check_output(
+        out,
+        llama_fp32,
+        Expect(MAIN_RESOLVED, prompt=False),
+        DTYPE,
+        f"[{mode}] output-only over cached prefix",
+    )
+
+    repeat = [
+        llm.generate(
+            [tokens_prompt(first)], greedy(3, hidden_states={}), use_tqdm=False
+        )[0]
+        for _ in range(2)
+    ]
+    for k, out in enumerate(repeat):
+        assert out.num_cached_tokens == 0
+        check_output(out, llama_fp32, Expect(MAIN_RESOLVED), DTYPE, f"[{mode}] repeat {k}")
+    plain, = llm.generate([tokens_prompt(first)], greedy(2), use_tqdm=False)
+    assert plain.num_cached_tokens > 0, "prefix caching is not active in this engine"
+
+
+def test_n_greater_than_one(main_engine, llama_fp32):
+    """Prompt states once; each completion its own output states."""
+    from vllm import SamplingParams
+
+    llm, mode = main_engine
+    prompt = seeded_prompt(20, 24)
+    # No per-request seed: on CPU a seeded request whose prefill is chunked
+    # crashes upstream vLLM 0.32.0 ("CPU Generator does not use offset").
+    sp = SamplingParams(
+        n=3, temperature=1.0, max_tokens=8, ignore_eos=True, hidden_states={}
+    )
+    out, = llm.generate([tokens_prompt(prompt)], sp, use_tqdm=False)
+    assert len(out.outputs) == 3
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1, "samples identical"
+    assert out.prompt_hidden_states.shape[0] == len(prompt)
+    check_output(out, llama_fp32, Expect(MAIN_RESOLVED), DTYPE, f"[{mode}] n=3")
+
+
+def test_stop_token(main_engine, llama_fp32):
+    llm, mode = main_engine
+    prompt = seeded_prompt(30, 18)
+    reference = hf_greedy(llama_fp32, prompt, 16)
+    k = next(i for i in range(4, 16) if reference[i] not in reference[:i])
+    out, = llm.generate(
+        [tokens_prompt(prompt)],
+        greedy(16, stop_token_ids=[reference[k]], hidden_states={}),
+        use_tqdm=False,
+    )
+    completion = out.outputs[0]
+    assert completion.finish_reason == "stop"
+    assert list(completion.token_ids)[:k] == reference[:k]
+    assert len(completion.token_ids) <= k + 1
+    check_output(out, llama_fp32, Expect(MAIN_RESOLVED), DTYPE, f"[{mode}] stop token")
+
+
+def test_stop_string(main_engine, llama_fp32):
+    """Rows are trimmed with the tokens when a stop string ends the text."""
+    llm, mode = main_engine
+    prompt = seeded_prompt(31, 18)
+    full, = llm.generate([tokens_prompt(prompt)], greedy(20), use_tqdm=False)
+    text = full.outputs[0].text
+    assert len(text) > 12, f"degenerate text {text!r}"
+    stop = next(
+        text[i : i + 3]
+        for i in range(len(text) // 2, len(text) - 3)
+        if text[i : i + 3].strip() and text.find(text[i : i + 3]) == i
+    )
+    out, = llm.generate(
+        [tokens_prompt(prompt)],
+        greedy(20, stop=[stop], hidden_states={}),
+        use_tqdm=False,
+    )
+    completion = out.outputs[0]
+    assert completion.finish_reason == "stop" and completion.stop_reason == stop
+    assert len(completion.token_ids) < 20
+    check_output(out, llama_fp32, Expect(MAIN_RESOLVED), DTYPE, f"[{mode}] stop string")
+
+
+def test_max_tokens_one_is_prefill_only(main_engine, llama_fp32):
+    llm, mode = main_engine
+    prompt = seeded_prompt(40, 50)
+    out, = llm.generate(
+        [tokens_prompt(prompt)], greedy(1, hidden_states={}), use_tqdm=False
+    )
+    rows = out.outputs[0].hidden_states
+    assert rows is not None and rows.shape == (0, len(MAIN_RESOLVED), 128)
+    check_output(out, llama_fp32, Expect(MAIN_RESOLVED), DTYPE, f"[{mode}] max_tokens=1")
+
+
+def test_requests_without_states_match_hf(main_engine, llama_fp32):
+    llm, mode = main_engine
+    prompts = [seeded_prompt(50 + i, 10 + 7 * i) for i in range(4)]
+    outs = llm.generate([tokens_prompt(p) for p in prompts], greedy(10), use_tqdm=False)
+    for p, out in zip(prompts, outs):
+        assert out.prompt_hidden_states is None
+        assert out.outputs[0].hidden_states is None
+        assert list(out.outputs[0].token_ids) == hf_greedy(llama_fp32, p, 10)
+
+
+@pytest.mark.parametrize(
+    ("hidden_states", "match"),
+    [
+        ({"layers": [3]}, "not captured by this engine"),
+        ({"layers": [9]}, "out of range"),
+        ({"layers": ["norm"]}, "Invalid hidden-state layer id"),
+        ({"layers": "0"}, "must be a list"),
+        ({"layers": []}, "must not be empty"),
+        ({"layers": [0, 0]}, "duplicates"),
+        ({"prompt": False, "output": False}, "neither prompt nor output"),
+        ({"prompt": "yes"}, "must be a bool"),
+        ({"foo": 1}, "Unknown hidden_states fields"),
+        (42, "must be HiddenStatesParams"),
+    ],
+)
+def test_bad_request_is_rejected_and_engine_serves_on(
+    main_engine, llama_fp32, hidden_states, match
+):
+    llm, mode = main_engine
+    prompt = seeded_prompt(60, 12)
+    with pytest.raises(ValueError, match=match):
+        llm.generate([tokens_prompt(prompt)], greedy(3, hidden_states=hidden_states))
+    out, = llm.generate(
+        [tokens_prompt(prompt)], greedy(3, hidden_states={}), use_tqdm=False
+    )
+    check_output(out, llama_fp32, Expect(MAIN_RESOLVED), DTYPE, f"[{mode}] after error")
+
+
+def test_payload_over_cap_is_rejected(main_engine, llama_fp32):
+    """Cap = 256 rows: 200 prompt rows + 99 output rows exceed it."""
+    llm, mode = main_engine
+    prompt = seeded_prompt(61, 200)
+    with pytest.raises(ValueError, match="over the engine's cap"):
+        llm.generate([tokens_prompt(prompt)], greedy(100, hidden_states={}))
+    # The same request without prompt states, or shorter, fits.
+    out, = llm.generate(
+        [tokens_prompt(prompt)],
+        greedy(4, hidden_states={"prompt": False}),
+        use_tqdm=False,
+    )
+    check_output(
+        out, llama_fp32, Expect(MAIN_RESOLVED, prompt=False), DTYPE, f"[{mode}] cap"
+    )
+
+
+def test_states_on_a_pooling_request_are_rejected(main_engine):
+    from vllm import PoolingParams
+
+    llm, mode = main_engine
+    with pytest.raises(ValueError, match="not available on pooling requests"):
+        llm.llm_engine.add_request(
+            f"pool-{mode}",
+            tokens_prompt(seeded_prompt(62, 8)),
+            PoolingParams(extra_kwargs={"hidden_states": {}}),
+        )
+    assert not llm.llm_engine.has_unfinished_requests()
