@@ -45,7 +45,10 @@ def main_engine(request: pytest.FixtureRequest, llama_fp32: str):
         llama_fp32,
         mode,
         dtype="float32",
-        hidden_states_config={"layers": MAIN_LAYERS, "max_bytes_per_request": CAP_BYTES},
+        hidden_states_config={
+            "layers": MAIN_LAYERS,
+            "max_bytes_per_request": CAP_BYTES,
+        },
         max_num_batched_tokens=BUDGET,
         max_num_seqs=8,
         enable_prefix_caching=True,

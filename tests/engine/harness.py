@@ -24,7 +24,7 @@ multiprocess engine (worker -> core over shared memory, core -> frontend over
 msgpack)."""
 
 
-# Layer set of the main test engine (tests/engine/conftest.py) of the main engine; -1 resolves to L=4.
+# Layer set of the main test engine (conftest.py); -1 resolves to L=4.
 MAIN_LAYERS: list[int | str] = [0, 2, -1, "final_norm"]
 MAIN_RESOLVED: list[int | str] = [0, 2, 4, "final_norm"]
 ROW_BYTES = 4 * 128 * 4  # 4 layers x hidden 128 x fp32

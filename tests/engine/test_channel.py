@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+
+import psutil
 import pytest
 import torch
 from harness import (
@@ -43,14 +46,18 @@ def test_mixed_batch(main_engine, llama_fp32):
         use_tqdm=False,
     )
     assert len(outputs) == len(cases)
-    for i, (out, (prompt, sp, expect)) in enumerate(zip(outputs, cases)):
+    for i, (out, (prompt, sp, expect)) in enumerate(zip(outputs, cases, strict=True)):
         assert list(out.prompt_token_ids) == prompt
         assert list(out.outputs[0].token_ids) == hf_greedy(
             llama_fp32, prompt, sp.max_tokens
         ), f"[{mode}] request {i}: tokens differ from HF greedy"
         check_output(out, llama_fp32, expect, DTYPE, f"[{mode}] request {i}")
         if expect is not None and expect.prompt:
-            assert out.prompt_hidden_states.shape == (len(prompt), len(expect.layers), 128)
+            assert out.prompt_hidden_states.shape == (
+                len(prompt),
+                len(expect.layers),
+                128,
+            )
 
 
 def test_chunked_prefill(main_engine, llama_fp32):
@@ -71,18 +78,18 @@ def test_prefix_caching(main_engine, llama_fp32):
     llm, mode = main_engine
     prefix = seeded_prompt(10, 64)  # two full 32-token blocks
     first = prefix + seeded_prompt(11, 10)
-    warm, = llm.generate([tokens_prompt(first)], greedy(4), use_tqdm=False)
+    (warm,) = llm.generate([tokens_prompt(first)], greedy(4), use_tqdm=False)
     check_output(warm, llama_fp32, None, DTYPE, f"[{mode}] warm-up")
 
     shared = prefix + seeded_prompt(12, 9)
-    out, = llm.generate(
+    (out,) = llm.generate(
         [tokens_prompt(shared)], greedy(4, hidden_states={}), use_tqdm=False
     )
     assert out.num_cached_tokens == 0, "prompt-state request read the prefix cache"
     check_output(out, llama_fp32, Expect(MAIN_RESOLVED), DTYPE, f"[{mode}] shared")
 
     output_only = prefix + seeded_prompt(13, 9)
-    out, = llm.generate(
+    (out,) = llm.generate(
         [tokens_prompt(output_only)],
         greedy(6, hidden_states={"prompt": False}),
         use_tqdm=False,
@@ -104,8 +111,10 @@ def test_prefix_caching(main_engine, llama_fp32):
     ]
     for k, out in enumerate(repeat):
         assert out.num_cached_tokens == 0
-        check_output(out, llama_fp32, Expect(MAIN_RESOLVED), DTYPE, f"[{mode}] repeat {k}")
-    plain, = llm.generate([tokens_prompt(first)], greedy(2), use_tqdm=False)
+        check_output(
+            out, llama_fp32, Expect(MAIN_RESOLVED), DTYPE, f"[{mode}] repeat {k}"
+        )
+    (plain,) = llm.generate([tokens_prompt(first)], greedy(2), use_tqdm=False)
     assert plain.num_cached_tokens > 0, "prefix caching is not active in this engine"
 
 
@@ -120,7 +129,7 @@ def test_n_greater_than_one(main_engine, llama_fp32):
     sp = SamplingParams(
         n=3, temperature=1.0, max_tokens=8, ignore_eos=True, hidden_states={}
     )
-    out, = llm.generate([tokens_prompt(prompt)], sp, use_tqdm=False)
+    (out,) = llm.generate([tokens_prompt(prompt)], sp, use_tqdm=False)
     assert len(out.outputs) == 3
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1, "samples identical"
     assert out.prompt_hidden_states.shape[0] == len(prompt)
@@ -132,7 +141,7 @@ def test_stop_token(main_engine, llama_fp32):
     prompt = seeded_prompt(30, 18)
     reference = hf_greedy(llama_fp32, prompt, 16)
     k = next(i for i in range(4, 16) if reference[i] not in reference[:i])
-    out, = llm.generate(
+    (out,) = llm.generate(
         [tokens_prompt(prompt)],
         greedy(16, stop_token_ids=[reference[k]], hidden_states={}),
         use_tqdm=False,
@@ -148,7 +157,7 @@ def test_stop_string(main_engine, llama_fp32):
     """Rows are trimmed with the tokens when a stop string ends the text."""
     llm, mode = main_engine
     prompt = seeded_prompt(31, 18)
-    full, = llm.generate([tokens_prompt(prompt)], greedy(20), use_tqdm=False)
+    (full,) = llm.generate([tokens_prompt(prompt)], greedy(20), use_tqdm=False)
     text = full.outputs[0].text
     assert len(text) > 12, f"degenerate text {text!r}"
     stop = next(
@@ -156,7 +165,7 @@ def test_stop_string(main_engine, llama_fp32):
         for i in range(len(text) // 2, len(text) - 3)
         if text[i : i + 3].strip() and text.find(text[i : i + 3]) == i
     )
-    out, = llm.generate(
+    (out,) = llm.generate(
         [tokens_prompt(prompt)],
         greedy(20, stop=[stop], hidden_states={}),
         use_tqdm=False,
@@ -170,19 +179,21 @@ def test_stop_string(main_engine, llama_fp32):
 def test_max_tokens_one_is_prefill_only(main_engine, llama_fp32):
     llm, mode = main_engine
     prompt = seeded_prompt(40, 50)
-    out, = llm.generate(
+    (out,) = llm.generate(
         [tokens_prompt(prompt)], greedy(1, hidden_states={}), use_tqdm=False
     )
     rows = out.outputs[0].hidden_states
     assert rows is not None and rows.shape == (0, len(MAIN_RESOLVED), 128)
-    check_output(out, llama_fp32, Expect(MAIN_RESOLVED), DTYPE, f"[{mode}] max_tokens=1")
+    check_output(
+        out, llama_fp32, Expect(MAIN_RESOLVED), DTYPE, f"[{mode}] max_tokens=1"
+    )
 
 
 def test_requests_without_states_match_hf(main_engine, llama_fp32):
     llm, mode = main_engine
     prompts = [seeded_prompt(50 + i, 10 + 7 * i) for i in range(4)]
     outs = llm.generate([tokens_prompt(p) for p in prompts], greedy(10), use_tqdm=False)
-    for p, out in zip(prompts, outs):
+    for p, out in zip(prompts, outs, strict=True):
         assert out.prompt_hidden_states is None
         assert out.outputs[0].hidden_states is None
         assert list(out.outputs[0].token_ids) == hf_greedy(llama_fp32, p, 10)
@@ -210,7 +221,7 @@ def test_bad_request_is_rejected_and_engine_serves_on(
     prompt = seeded_prompt(60, 12)
     with pytest.raises(ValueError, match=match):
         llm.generate([tokens_prompt(prompt)], greedy(3, hidden_states=hidden_states))
-    out, = llm.generate(
+    (out,) = llm.generate(
         [tokens_prompt(prompt)], greedy(3, hidden_states={}), use_tqdm=False
     )
     check_output(out, llama_fp32, Expect(MAIN_RESOLVED), DTYPE, f"[{mode}] after error")
@@ -223,7 +234,7 @@ def test_payload_over_cap_is_rejected(main_engine, llama_fp32):
     with pytest.raises(ValueError, match="over the engine's cap"):
         llm.generate([tokens_prompt(prompt)], greedy(100, hidden_states={}))
     # The same request without prompt states, or shorter, fits.
-    out, = llm.generate(
+    (out,) = llm.generate(
         [tokens_prompt(prompt)],
         greedy(4, hidden_states={"prompt": False}),
         use_tqdm=False,
@@ -244,3 +255,47 @@ def test_states_on_a_pooling_request_are_rejected(main_engine):
             PoolingParams(extra_kwargs={"hidden_states": {}}),
         )
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def _rss_bytes(mode: str) -> int:
+    me = psutil.Process(os.getpid())
+    procs = [me] + (me.children(recursive=True) if mode == "mp" else [])
+    return sum(p.memory_info().rss for p in procs)
+
+
+def test_aborts_leave_nothing_behind(main_engine, llama_fp32):
+    """A few hundred requests aborted mid-flight with rows in transit: nothing
+    is left in the frontend or the scheduler, memory stays flat, and the next
+    request is served correctly."""
+    llm, mode = main_engine
+    llm_engine = llm.llm_engine
+    rss: list[int] = []
+    for round_ in range(4):
+        ids = [f"abort-{round_}-{i}" for i in range(80)]
+        for i, req_id in enumerate(ids):
+            llm_engine.add_request(
+                req_id,
+                tokens_prompt(seeded_prompt(1000 + i, 100)),
+                greedy(50, hidden_states={}),
+            )
+        for _ in range(12):  # mid-prefill and early decode, rows accumulated
+            llm_engine.step()
+        llm_engine.abort_request(ids)
+        while llm_engine.has_unfinished_requests():
+            llm_engine.step()
+        assert llm_engine.get_num_unfinished_requests() == 0
+        assert not llm_engine.output_processor.request_states
+        if mode == "inproc":
+            scheduler = llm_engine.engine_core.engine_core.scheduler
+            assert not scheduler.requests, "scheduler kept aborted requests"
+        rss.append(_rss_bytes(mode))
+    # 80 requests x 100 prompt rows x 2 KiB = 16 MiB per round if leaked.
+    growth = rss[-1] - rss[1]
+    assert growth < 12 << 20, f"[{mode}] memory grew {growth / 2**20:.1f} MiB: {rss}"
+    prompt = seeded_prompt(1500, 30)
+    (out,) = llm.generate(
+        [tokens_prompt(prompt)], greedy(5, hidden_states={}), use_tqdm=False
+    )
+    check_output(
+        out, llama_fp32, Expect(MAIN_RESOLVED), DTYPE, f"[{mode}] after aborts"
+    )

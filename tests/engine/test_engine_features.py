@@ -1,0 +1,95 @@
+"""Preemption, bf16 Qwen3, and aborts: each on its own engine, both modes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from harness import (
+    MODES,
+    Expect,
+    check_output,
+    engine,
+    greedy,
+    seeded_prompt,
+    tokens_prompt,
+)
+
+
+def _num_preemptions(llm) -> float:
+    for metric in llm.get_metrics():
+        if metric.name == "vllm:num_preemptions":
+            return float(metric.value)
+    raise AssertionError("vllm:num_preemptions metric not found")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_preemption_and_recompute(mode, llama_fp32):
+    """A KV cache of 320 tokens for 6 requests of 80: requests are preempted
+    and recomputed; no row may be duplicated or missing."""
+    layers = [1, 3, "final_norm"]
+    with engine(
+        llama_fp32,
+        mode,
+        dtype="float32",
+        hidden_states_config={"layers": layers},
+        max_model_len=256,
+        block_size=32,
+        kv_cache_memory_bytes=320 * 2048,  # 2 KiB of KV per token in this model
+        max_num_batched_tokens=64,
+        max_num_seqs=6,
+        disable_log_stats=False,
+        enforce_eager=True,
+    ) as llm:
+        cases = []
+        for i in range(6):
+            if i % 3 == 2:
+                hs, expect = {"prompt": False}, Expect(layers, prompt=False)
+            else:
+                hs, expect = {}, Expect(layers)
+            cases.append(
+                (seeded_prompt(100 + i, 40), greedy(40, hidden_states=hs), expect)
+            )
+        outputs = llm.generate(
+            [tokens_prompt(p) for p, _, _ in cases],
+            [sp for _, sp, _ in cases],
+            use_tqdm=False,
+        )
+        assert _num_preemptions(llm) > 0, "the test did not force a preemption"
+        for i, (out, (_, _, expect)) in enumerate(zip(outputs, cases, strict=True)):
+            assert len(out.outputs[0].token_ids) == 40
+            check_output(out, llama_fp32, expect, torch.float32, f"[{mode}] req {i}")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_qwen3_bf16(mode, qwen3_bf16):
+    """Second architecture, bf16 weights: states keep the model's dtype."""
+    layers = [1, -1, "final_norm"]
+    with engine(
+        qwen3_bf16,
+        mode,
+        hidden_states_config={"layers": layers},
+        max_num_batched_tokens=32,
+        enforce_eager=(mode == "inproc"),
+    ) as llm:
+        cases = [
+            (
+                seeded_prompt(200, 45),
+                greedy(8, hidden_states={}),
+                Expect([1, 4, "final_norm"]),
+            ),
+            (
+                seeded_prompt(201, 12),
+                greedy(6, hidden_states={"layers": ["final_norm", 1], "prompt": False}),
+                Expect(["final_norm", 1], prompt=False),
+            ),
+            (seeded_prompt(202, 9), greedy(5), None),
+        ]
+        outputs = llm.generate(
+            [tokens_prompt(p) for p, _, _ in cases],
+            [sp for _, sp, _ in cases],
+            use_tqdm=False,
+        )
+        for i, (out, (_, _, expect)) in enumerate(zip(outputs, cases, strict=True)):
+            if expect is not None and expect.prompt:
+                assert out.prompt_hidden_states.dtype == torch.bfloat16
+            check_output(out, qwen3_bf16, expect, torch.bfloat16, f"[{mode}] req {i}")
