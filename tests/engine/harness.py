@@ -91,8 +91,13 @@ def check_output(
     expect: Expect | None,
     dtype: torch.dtype | str,
     what: str,
+    tolerance_dtype: torch.dtype | str | None = None,
 ) -> None:
-    """Check every hidden-state row of one RequestOutput (all completions)."""
+    """Check every hidden-state row of one RequestOutput (all completions).
+
+    The reference runs in `dtype`; tolerances are those of `tolerance_dtype`
+    (default: `dtype`)."""
+    tol_dtype = dtype if tolerance_dtype is None else tolerance_dtype
     prompt_ids = list(request_output.prompt_token_ids)
     if expect is None:
         assert request_output.prompt_hidden_states is None, what
@@ -113,7 +118,7 @@ def check_output(
             assert_states_close(
                 prompt_rows,
                 ref_prompt,
-                dtype=dtype,
+                dtype=tol_dtype,
                 what=f"{what} prompt",
                 layers=expect.layers,
             )
@@ -129,7 +134,7 @@ def check_output(
             assert_states_close(
                 rows,
                 ref_output,
-                dtype=dtype,
+                dtype=tol_dtype,
                 what=f"{label} output",
                 layers=expect.layers,
                 row_offset=len(prompt_ids),
