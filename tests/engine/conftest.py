@@ -14,7 +14,15 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-vllm = pytest.importorskip("vllm", reason="the patched vLLM wheel is not installed")
+if os.environ.get("VLLM_HS_EXPECT_PATCHED") == "1":
+    # tox sets this: a missing or unpatched vllm is an error, never a skip.
+    import vllm
+
+    assert hasattr(vllm, "HiddenStatesParams"), f"vllm at {vllm.__file__} is unpatched"
+else:
+    vllm = pytest.importorskip("vllm", reason="vLLM is not installed")
+    if not hasattr(vllm, "HiddenStatesParams"):
+        pytest.skip("the installed vLLM is not patched", allow_module_level=True)
 
 from harness import BUDGET, CAP_BYTES, MAIN_LAYERS, MODES, engine  # noqa: E402
 
