@@ -19,10 +19,14 @@ if os.environ.get("VLLM_HS_EXPECT_PATCHED") == "1":
     import vllm
 
     assert hasattr(vllm, "HiddenStatesParams"), f"vllm at {vllm.__file__} is unpatched"
+    SKIP_REASON = ""
 else:
-    vllm = pytest.importorskip("vllm", reason="vLLM is not installed")
-    if not hasattr(vllm, "HiddenStatesParams"):
-        pytest.skip("the installed vLLM is not patched", allow_module_level=True)
+    try:
+        import vllm
+
+        SKIP_REASON = "" if hasattr(vllm, "HiddenStatesParams") else "unpatched vLLM"
+    except ImportError:
+        SKIP_REASON = "vLLM is not installed"
 
 from harness import BUDGET, CAP_BYTES, MAIN_LAYERS, MODES, engine  # noqa: E402
 
@@ -31,7 +35,11 @@ from vllm_hs.tiny_model import build_tiny_model  # noqa: E402
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
+        if "tests/engine/" not in item.nodeid:
+            continue
         item.add_marker(pytest.mark.engine)
+        if SKIP_REASON:
+            item.add_marker(pytest.mark.skip(reason=SKIP_REASON))
 
 
 @pytest.fixture(scope="session")
