@@ -1,11 +1,15 @@
-"""Shared fixtures: synthetic vLLM trees and patch series, and a pristine vLLM tree."""
+"""Shared fixtures: synthetic vLLM trees and patch series, and a pristine vLLM tree.
+
+Test modules get these helpers through fixtures, never `from conftest import ...`:
+with several conftest.py files (tests/engine/) the name `conftest` is ambiguous.
+"""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -117,6 +121,16 @@ class SeriesBuilder:
             check=True,
         )
         return result.stdout
+
+
+@pytest.fixture(name="snapshot")
+def snapshot_fixture() -> Callable[[Path], dict[str, tuple[bytes, int] | None]]:
+    return snapshot
+
+
+@pytest.fixture(name="write_files")
+def write_files_fixture() -> Callable[[Path, dict[str, str]], None]:
+    return write_files
 
 
 @pytest.fixture

@@ -5,15 +5,9 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
-from conftest import (
-    FAKE_VLLM_FILES,
-    REAL_SERIES_ROOT,
-    SeriesBuilder,
-    snapshot,
-    version_file,
-)
 
 from vllm_hs import apply as apply_module
 from vllm_hs.apply import apply_series, read_marker
@@ -26,6 +20,14 @@ from vllm_hs.series import (
     unlisted_patches,
 )
 
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from conftest import SeriesBuilder
+
+    Snapshot = Callable[[Path], dict]
+
+REAL_SERIES_ROOT = Path(__file__).resolve().parent.parent / "patches"
 NEW_MODULE = "vllm/v1/hidden_states/__init__.py"
 
 
@@ -64,7 +66,9 @@ def test_apply_patches_files_and_writes_marker(
     }
 
 
-def test_check_changes_nothing(series_root: Path, tree: Path) -> None:
+def test_check_changes_nothing(
+    series_root: Path, tree: Path, snapshot: Snapshot
+) -> None:
     before = snapshot(tree)
     outcome = apply_series(tree, series_root, check=True)
     assert outcome.marker is None
@@ -73,7 +77,7 @@ def test_check_changes_nothing(series_root: Path, tree: Path) -> None:
 
 
 def test_failing_third_patch_leaves_tree_byte_identical(
-    two_patch_series: SeriesBuilder, tmp_path: Path
+    two_patch_series: SeriesBuilder, tmp_path: Path, snapshot: Snapshot
 ) -> None:
     two_patch_series.commit(
         "Touch init", {"vllm/__init__.py": "HIDDEN_STATES = True\n"}
@@ -95,7 +99,7 @@ def test_failing_third_patch_leaves_tree_byte_identical(
 
 
 def test_failure_while_writing_rolls_back(
-    series_root: Path, tree: Path, monkeypatch: pytest.MonkeyPatch
+    series_root: Path, tree: Path, monkeypatch: pytest.MonkeyPatch, snapshot: Snapshot
 ) -> None:
     before = snapshot(tree)
     real_sync = apply_module._sync_file
@@ -113,7 +117,9 @@ def test_failure_while_writing_rolls_back(
     assert snapshot(tree) == before
 
 
-def test_reverse_restores_original(series_root: Path, tree: Path) -> None:
+def test_reverse_restores_original(
+    series_root: Path, tree: Path, snapshot: Snapshot
+) -> None:
     before = snapshot(tree)
     apply_series(tree, series_root)
     assert snapshot(tree) != before
@@ -125,7 +131,7 @@ def test_reverse_restores_original(series_root: Path, tree: Path) -> None:
 
 
 def test_reverse_of_unpatched_tree_fails_and_changes_nothing(
-    series_root: Path, tree: Path
+    series_root: Path, tree: Path, snapshot: Snapshot
 ) -> None:
     before = snapshot(tree)
     with pytest.raises(VllmHsError, match="cannot be removed"):
@@ -154,7 +160,7 @@ def test_unknown_version_is_refused_with_supported_list(
     series_root: Path, tree: Path
 ) -> None:
     (series_root / "v0.31.1").mkdir()
-    (tree / "vllm/_version.py").write_text(version_file("0.99.0"))
+    (tree / "vllm/_version.py").write_text("__version__ = version = '0.99.0'\n")
     with pytest.raises(VllmHsError) as error:
         apply_series(tree, series_root)
     assert "vLLM 0.99.0" in str(error.value)
@@ -162,7 +168,7 @@ def test_unknown_version_is_refused_with_supported_list(
 
 
 def test_local_version_part_is_ignored(series_root: Path, tree: Path) -> None:
-    (tree / "vllm/_version.py").write_text(version_file("0.32.0+cpu"))
+    (tree / "vllm/_version.py").write_text("__version__ = '0.32.0+cpu'\n")
     assert apply_series(tree, series_root).series.name == "v0.32.0"
 
 
@@ -210,9 +216,11 @@ def test_relative_series_dir_and_tree(
     assert read_marker(tree) is not None
 
 
-def test_fake_files_are_what_the_series_expects(tree: Path) -> None:
-    # Guards the fixtures: the trees start from FAKE_VLLM_FILES unchanged.
-    for path, text in FAKE_VLLM_FILES.items():
+def test_fake_files_are_what_the_series_expects(
+    two_patch_series: SeriesBuilder, tree: Path
+) -> None:
+    # Guards the fixtures: the trees start from the unpatched base files.
+    for path, text in two_patch_series.base_files.items():
         assert (tree / path).read_text() == text
 
 
@@ -243,7 +251,9 @@ def test_real_series_is_well_formed() -> None:
         assert "vllm/_vllm_hs.json" not in patch.touched_paths
 
 
-def test_real_series_applies_to_pristine_vllm(pristine_vllm_tree: Path) -> None:
+def test_real_series_applies_to_pristine_vllm(
+    pristine_vllm_tree: Path, snapshot: Snapshot
+) -> None:
     real_series_or_skip()
     before = snapshot(pristine_vllm_tree / "vllm")
     outcome = apply_series(pristine_vllm_tree, REAL_SERIES_ROOT, check=True)

@@ -5,18 +5,27 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
-from conftest import SeriesBuilder, write_files
 
 from vllm_hs import status as status_module
 from vllm_hs.apply import apply_series
 from vllm_hs.cli import main
 from vllm_hs.status import installed_status, tree_status
 
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from conftest import SeriesBuilder
+
+    WriteFiles = Callable[[Path, dict[str, str]], None]
+
 
 @pytest.fixture
-def tree(two_patch_series: SeriesBuilder, tmp_path: Path) -> Path:
+def tree(
+    two_patch_series: SeriesBuilder, tmp_path: Path, write_files: WriteFiles
+) -> Path:
     tree = two_patch_series.make_tree(tmp_path / "site-packages")
     write_files(
         tree,
@@ -86,7 +95,9 @@ def test_cli_status_json_and_text(
     assert "modified  vllm/outputs.py" in text
 
 
-def test_two_distributions_providing_vllm_are_flagged(tree: Path) -> None:
+def test_two_distributions_providing_vllm_are_flagged(
+    tree: Path, write_files: WriteFiles
+) -> None:
     write_files(
         tree,
         {

