@@ -142,3 +142,13 @@ def test_final_norm_works_on_any_model(gpt2_dir):
     assert_states_close(
         rows, ref[:, None, :], dtype=torch.float32, what="gpt2 final_norm"
     )
+
+
+def test_forcing_model_runner_v2_fails_at_start(llama_fp32, monkeypatch):
+    """MRV2 does not implement the channel: forcing it is an error, not a
+    silently empty output."""
+    from vllm import LLM
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(ValueError, match="V1 model runner only"):
+        LLM(llama_fp32, hidden_states_config={"layers": [1]}, enforce_eager=True)
