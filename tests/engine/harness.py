@@ -141,3 +141,28 @@ def check_output(
             )
         else:
             assert completion.hidden_states is None, f"{label}: unexpected rows"
+
+
+Case = tuple[list[int], Any, "Expect | None"]
+"""(prompt token ids, SamplingParams, what the request asked for)."""
+
+
+def run_cases(
+    llm: Any,
+    cases: Sequence[Case],
+    model_dir: str,
+    dtype: torch.dtype | str,
+    label: str,
+    tolerance_dtype: torch.dtype | str | None = None,
+) -> list[Any]:
+    """Generate all cases in one batch and check every output against HF."""
+    outputs = llm.generate(
+        [tokens_prompt(p) for p, _, _ in cases],
+        [sp for _, sp, _ in cases],
+        use_tqdm=False,
+    )
+    assert len(outputs) == len(cases)
+    for i, (out, (prompt, _, expect)) in enumerate(zip(outputs, cases, strict=True)):
+        assert list(out.prompt_token_ids) == list(prompt)
+        check_output(out, model_dir, expect, dtype, f"{label} {i}", tolerance_dtype)
+    return outputs

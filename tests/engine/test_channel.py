@@ -13,6 +13,7 @@ from harness import (
     Expect,
     check_output,
     greedy,
+    run_cases,
     seeded_prompt,
     tokens_prompt,
 )
@@ -40,18 +41,11 @@ def test_mixed_batch(main_engine, llama_fp32):
         ),
         (seeded_prompt(5, 120), greedy(4, hidden_states={"layers": [0]}), Expect([0])),
     ]
-    outputs = llm.generate(
-        [tokens_prompt(p) for p, _, _ in cases],
-        [sp for _, sp, _ in cases],
-        use_tqdm=False,
-    )
-    assert len(outputs) == len(cases)
+    outputs = run_cases(llm, cases, llama_fp32, DTYPE, f"[{mode}] request")
     for i, (out, (prompt, sp, expect)) in enumerate(zip(outputs, cases, strict=True)):
-        assert list(out.prompt_token_ids) == prompt
         assert list(out.outputs[0].token_ids) == hf_greedy(
             llama_fp32, prompt, sp.max_tokens
         ), f"[{mode}] request {i}: tokens differ from HF greedy"
-        check_output(out, llama_fp32, expect, DTYPE, f"[{mode}] request {i}")
         if expect is not None and expect.prompt:
             assert out.prompt_hidden_states.shape == (
                 len(prompt),

@@ -4,15 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import (
-    MODES,
-    Expect,
-    check_output,
-    engine,
-    greedy,
-    seeded_prompt,
-    tokens_prompt,
-)
+from harness import MODES, Expect, engine, greedy, run_cases, seeded_prompt
 
 
 def _num_preemptions(llm) -> float:
@@ -49,15 +41,9 @@ def test_preemption_and_recompute(mode, llama_fp32):
             cases.append(
                 (seeded_prompt(100 + i, 40), greedy(40, hidden_states=hs), expect)
             )
-        outputs = llm.generate(
-            [tokens_prompt(p) for p, _, _ in cases],
-            [sp for _, sp, _ in cases],
-            use_tqdm=False,
-        )
+        outputs = run_cases(llm, cases, llama_fp32, torch.float32, f"[{mode}] req")
         assert _num_preemptions(llm) > 0, "the test did not force a preemption"
-        for i, (out, (_, _, expect)) in enumerate(zip(outputs, cases, strict=True)):
-            assert len(out.outputs[0].token_ids) == 40
-            check_output(out, llama_fp32, expect, torch.float32, f"[{mode}] req {i}")
+        assert all(len(out.outputs[0].token_ids) == 40 for out in outputs)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -84,12 +70,6 @@ def test_qwen3_bf16(mode, qwen3_bf16):
             ),
             (seeded_prompt(202, 9), greedy(5), None),
         ]
-        outputs = llm.generate(
-            [tokens_prompt(p) for p, _, _ in cases],
-            [sp for _, sp, _ in cases],
-            use_tqdm=False,
-        )
-        for i, (out, (_, _, expect)) in enumerate(zip(outputs, cases, strict=True)):
-            if expect is not None and expect.prompt:
-                assert out.prompt_hidden_states.dtype == torch.bfloat16
-            check_output(out, qwen3_bf16, expect, torch.bfloat16, f"[{mode}] req {i}")
+        outputs = run_cases(llm, cases, qwen3_bf16, torch.bfloat16, f"[{mode}] req")
+        assert outputs[0].prompt_hidden_states.dtype == torch.bfloat16
+        assert outputs[1].outputs[0].hidden_states.dtype == torch.bfloat16

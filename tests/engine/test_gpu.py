@@ -7,15 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import (
-    MODES,
-    Expect,
-    check_output,
-    engine,
-    greedy,
-    seeded_prompt,
-    tokens_prompt,
-)
+from harness import MODES, Expect, engine, greedy, run_cases, seeded_prompt
 
 pytestmark = [
     pytest.mark.gpu,
@@ -52,14 +44,6 @@ def test_channel_on_cuda(mode, dtype, tmp_path_factory):
                 Expect(["final_norm", 0], prompt=False),
             ),
         ]
-        outputs = llm.generate(
-            [tokens_prompt(p) for p, _, _ in cases],
-            [sp for _, sp, _ in cases],
-            use_tqdm=False,
-        )
-    for i, (out, (_, _, expect)) in enumerate(zip(outputs, cases, strict=True)):
         # GPU kernels (TF32, fused ops) differ from HF on CPU more than fp32
         # CPU kernels do: compare with the bf16 tolerance.
-        check_output(
-            out, model_dir, expect, dtype, f"[cuda {mode}] {i}", torch.bfloat16
-        )
+        run_cases(llm, cases, model_dir, dtype, f"[cuda {mode}]", torch.bfloat16)
