@@ -1,0 +1,140 @@
+"""Turn hidden states in OpenAI-compatible responses back into tensors.
+
+Works on what the `openai` client returns (`Completion`, `ChatCompletion` and
+their stream chunks: the extra fields stay reachable as attributes) and on raw
+HTTP JSON (`dict`). The wire format (see README):
+
+    {"layers": [...], "shape": [rows, layers, hidden], "dtype": "bfloat16",
+     "encoding": "base64" | "float", "data": ...}
+
+`base64` data is the raw little-endian bytes of the tensor in its dtype.
+
+    resp = client.completions.create(..., extra_body={"hidden_states": {}})
+    states = from_response(resp)
+    states.prompt(0), states.output(0)   # tensors [P, K, H], [G-1, K, H]
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import sys
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = [
+    "ResponseHiddenStates",
+    "decode",
+    "from_response",
+    "from_stream",
+    "sse_events",
+]
+
+
+def _get(obj: Any, name: str) -> Any:
+    if isinstance(obj, Mapping):
+        return obj.get(name)
+    value = getattr(obj, name, None)
+    if value is None:
+        extra = getattr(obj, "model_extra", None) or {}
+        value = extra.get(name)
+    return value
+
+
+def decode(payload: Any) -> torch.Tensor:
+    """One payload (dict or object with the wire fields) -> tensor."""
+    shape = [int(n) for n in _get(payload, "shape")]
+    dtype_name = str(_get(payload, "dtype"))
+    dtype = getattr(torch, dtype_name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown hidden-state dtype {dtype_name!r}")
+    encoding = _get(payload, "encoding")
+    data = _get(payload, "data")
+    if encoding == "float":
+        return torch.tensor(data, dtype=torch.float32).reshape(shape).to(dtype)
+    if encoding != "base64":
+        raise ValueError(f"unknown hidden-state encoding {encoding!r}")
+    raw = bytearray(base64.b64decode(data))
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    expected = itemsize * int(torch.Size(shape).numel())
+    if len(raw) != expected:
+        raise ValueError(
+            f"hidden-state payload has {len(raw)} bytes, shape {shape} of "
+            f"{dtype_name} needs {expected}"
+        )
+    if not raw:
+        return torch.empty(shape, dtype=dtype)
+    tensor = torch.frombuffer(raw, dtype=torch.uint8)
+    if sys.byteorder != "little" and itemsize > 1:
+        tensor = tensor.reshape(-1, itemsize).flip(1).reshape(-1)
+    return tensor.view(dtype).reshape(shape)
+
+
+@dataclass
+class ResponseHiddenStates:
+    """Decoded states of one response (or a whole stream), by choice index."""
+
+    prompts: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Prompt states: for chat under index 0; for completions under the index
+    of the first choice of each prompt."""
+    outputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    layers: list[int | str] | None = None
+
+    def prompt(self, index: int = 0) -> torch.Tensor | None:
+        return self.prompts.get(index)
+
+    def output(self, index: int = 0) -> torch.Tensor | None:
+        return self.outputs.get(index)
+
+    def _add(self, target: dict[int, torch.Tensor], index: int, payload: Any) -> None:
+        if payload is None:
+            return
+        rows = decode(payload)
+        self.layers = list(_get(payload, "layers"))
+        previous = target.get(index)
+        target[index] = rows if previous is None else torch.cat([previous, rows])
+
+    def add(self, response_or_chunk: Any) -> None:
+        """Fold in one response, or one stream chunk (rows are appended)."""
+        self._add(self.prompts, 0, _get(response_or_chunk, "prompt_hidden_states"))
+        for choice in _get(response_or_chunk, "choices") or ():
+            index = int(_get(choice, "index"))
+            self._add(self.prompts, index, _get(choice, "prompt_hidden_states"))
+            self._add(self.outputs, index, _get(choice, "hidden_states"))
+
+
+def from_response(response: Any) -> ResponseHiddenStates:
+    """States of a non-streamed completion or chat completion."""
+    states = ResponseHiddenStates()
+    states.add(response)
+    return states
+
+
+def from_stream(chunks: Iterable[Any]) -> ResponseHiddenStates:
+    """States of a stream: the deltas of every chunk, concatenated in order."""
+    states = ResponseHiddenStates()
+    for chunk in chunks:
+        if isinstance(chunk, (str, bytes)):
+            continue  # raw SSE keep-alives or [DONE]
+        states.add(chunk)
+    return states
+
+
+def sse_events(lines: Iterable[str | bytes]) -> Iterator[dict[str, Any]]:
+    """Parse a raw HTTP server-sent-event stream (`data: {...}` lines) into
+    chunk dicts, stopping at `data: [DONE]`; feed them to `from_stream`."""
+    for line in lines:
+        text = line.decode() if isinstance(line, bytes) else line
+        text = text.strip()
+        if not text.startswith("data:"):
+            continue
+        body = text[len("data:") :].strip()
+        if body == "[DONE]":
+            return
+        event = json.loads(body)
+        if "error" in event:
+            raise RuntimeError(f"server error in stream: {event['error']}")
+        yield event
