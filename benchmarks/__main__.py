@@ -1,0 +1,160 @@
+"""Regression benchmarks per vLLM release.
+
+    python -m benchmarks run [--suites capture,transport,overhead] [--model large]
+    python -m benchmarks compare OLD.json NEW.json [--threshold 0.05]
+    python -m benchmarks report
+
+`run` writes benchmarks/results/<vllm-release>/<suite>.json (machine, versions,
+settings, every round) and regenerates the Markdown table and chart; `compare`
+exits 1 when a ratio got worse than the threshold, to gate a release bump.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from benchmarks.common import (
+    RESULTS_ROOT,
+    has_channel,
+    installed_versions,
+    machine_facts,
+    vllm_release,
+    write_result,
+)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from benchmarks.report import write_report
+    from benchmarks.suites import SUITES, Settings
+
+    settings = Settings(
+        model=args.model,
+        mode=args.mode,
+        prompts=args.prompts,
+        prompt_len=args.prompt_len,
+        max_tokens=args.max_tokens,
+        rounds=args.rounds,
+        dtype=args.dtype,
+        eager=not args.compile,
+        unpatched_python=args.unpatched_python,
+    )
+    versions = installed_versions()
+    if not versions.get("patched") and has_channel(sys.executable):
+        versions["patched"] = "unmarked development tree (no vllm-hs marker)"
+    if not versions.get("patched"):
+        print(f"the importable vllm is not patched: {versions}", file=sys.stderr)
+        return 2
+    if args.unpatched_python:
+        versions["unpatched"] = installed_versions(args.unpatched_python)
+    release = vllm_release(versions)
+    machine = machine_facts()
+    for name in args.suites.split(","):
+        print(f"== {name} ({release}, model {settings.model})", flush=True)
+        result = SUITES[name](settings)
+        if result is None:
+            continue
+        result.machine = machine
+        result.versions = versions
+        path = write_result(result, release, args.out)
+        s = result.summary
+        print(
+            f"{name}: {s.metric}: median {s.median:.4f} "
+            f"[min {s.min:.4f}, max {s.max:.4f}] -> {path}",
+            flush=True,
+        )
+    write_report(args.out or RESULTS_ROOT)
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    old = json.loads(Path(args.old).read_text())
+    new = json.loads(Path(args.new).read_text())
+    if old["suite"] != new["suite"]:
+        print(f"different suites: {old['suite']} vs {new['suite']}", file=sys.stderr)
+        return 2
+    o, n = old["summary"]["median"], new["summary"]["median"]
+    higher = new["summary"]["higher_is_better"]
+    change = (n - o) / o if higher else (o - n) / o
+    verdict = "worse" if change < -args.threshold else "ok"
+    print(
+        f"{new['suite']}: {new['summary']['metric']}: {o:.4f} -> {n:.4f} "
+        f"({change:+.1%}, threshold -{args.threshold:.0%}): {verdict}"
+    )
+    return 1 if verdict == "worse" else 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from benchmarks.report import write_report
+
+    print(write_report(args.out or RESULTS_ROOT))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run suites, write results, refresh the report")
+    run.add_argument(
+        "--suites",
+        default="capture,transport,overhead",
+        help="comma-separated suites (default: %(default)s)",
+    )
+    run.add_argument(
+        "--model",
+        choices=["tiny", "large"],
+        default="large",
+        help="tiny: hidden 128, 4 layers; large: hidden 512, 8 layers, "
+        "vocab 8192 (default: %(default)s)",
+    )
+    run.add_argument(
+        "--mode",
+        choices=["mp", "inproc"],
+        default="mp",
+        help="engine mode (default: vLLM's multiprocess engine)",
+    )
+    run.add_argument("--prompts", type=int, default=32, help="prompts per batch")
+    run.add_argument("--prompt-len", type=int, default=256, help="tokens per prompt")
+    run.add_argument("--max-tokens", type=int, default=32, help="tokens generated")
+    run.add_argument("--rounds", type=int, default=4, help="alternating rounds")
+    run.add_argument("--dtype", default="bfloat16", help="engine dtype")
+    run.add_argument(
+        "--compile",
+        action="store_true",
+        help="use the compiled engine instead of enforce_eager",
+    )
+    run.add_argument(
+        "--unpatched-python",
+        default=None,
+        help="python of an environment with the UNPATCHED wheel of the "
+        "same release (needed by the overhead suite)",
+    )
+    run.add_argument(
+        "--out", type=Path, default=None, help=f"results root (default: {RESULTS_ROOT})"
+    )
+    run.set_defaults(handler=cmd_run)
+    compare = sub.add_parser("compare", help="gate: exit 1 if NEW is worse than OLD")
+    compare.add_argument("old")
+    compare.add_argument("new")
+    compare.add_argument(
+        "--threshold",
+        type=float,
+        default=0.05,
+        help="allowed relative loss (default: %(default)s)",
+    )
+    compare.set_defaults(handler=cmd_compare)
+    report = sub.add_parser("report", help="regenerate the Markdown table and chart")
+    report.add_argument("--out", type=Path, default=None)
+    report.set_defaults(handler=cmd_report)
+    args = parser.parse_args(argv)
+    return args.handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

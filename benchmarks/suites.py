@@ -1,0 +1,275 @@
+"""The benchmark suites: what each figure compares, and how.
+
+- overhead: the patched engine (hidden_states_config set, no request asking)
+  against the unpatched wheel of the same release, in separate processes run
+  alternately: throughput and peak memory.
+- capture: generation with states (4 layers, prompt and output) against
+  without, on one patched engine, batches alternating.
+- transport: hidden-state bytes per second delivered to the caller by the
+  default multiprocess engine, against this machine's memory-copy bandwidth
+  measured in the same process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import SuiteResult, alternate, now, summarize
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+MODELS: dict[str, dict[str, int]] = {
+    "tiny": {},
+    "large": {
+        "hidden_size": 512,
+        "intermediate_size": 1408,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "vocab_size": 8192,
+    },
+}
+
+
+@dataclass
+class Settings:
+    model: str = "large"
+    mode: str = "mp"
+    prompts: int = 32
+    prompt_len: int = 256
+    max_tokens: int = 32
+    rounds: int = 4
+    dtype: str = "bfloat16"
+    eager: bool = True
+    unpatched_python: str | None = None
+
+
+def model_dir(settings: Settings) -> tuple[str, dict[str, int]]:
+    from vllm_hs.tiny_model import build_tiny_model
+
+    sizes = MODELS[settings.model]
+    path = build_tiny_model("llama", "float32", **sizes)
+    return str(path), sizes
+
+
+def engine_kwargs(settings: Settings, layers: list[Any] | None) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {
+        "dtype": settings.dtype,
+        "max_model_len": settings.prompt_len + settings.max_tokens + 16,
+        "enforce_eager": settings.eager,
+        "seed": 0,
+    }
+    try:
+        import torch
+
+        on_gpu = torch.cuda.is_available()
+    except ImportError:
+        on_gpu = False
+    if not on_gpu:
+        kwargs["kv_cache_memory_bytes"] = 1 << 30
+    if layers is not None:
+        kwargs["hidden_states_config"] = {"layers": layers}
+    return kwargs
+
+
+def run_workload(python: str, spec: dict[str, Any]) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(
+        [python, "-m", "benchmarks.workload", json.dumps(spec)],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    for line in proc.stdout.splitlines():
+        if line.startswith("WORKLOAD_RESULT "):
+            return json.loads(line.removeprefix("WORKLOAD_RESULT "))
+    tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
+    raise RuntimeError(f"workload failed (exit {proc.returncode}):\n{tail}")
+
+
+def _spec(
+    settings: Settings, path: str, vocab: int, **overrides: Any
+) -> dict[str, Any]:
+    spec = {
+        "model": path,
+        "vocab": vocab,
+        "mode": settings.mode,
+        "prompts": settings.prompts,
+        "prompt_len": settings.prompt_len,
+        "max_tokens": settings.max_tokens,
+        "rounds": 1,
+        "variants": {"plain": None},
+        "engine": engine_kwargs(settings, None),
+    }
+    spec.update(overrides)
+    return spec
+
+
+def _result(name: str, description: str, settings: Settings, rounds, summary, t0):
+    from dataclasses import asdict
+
+    return SuiteResult(
+        suite=name,
+        description=description,
+        settings=asdict(settings),
+        rounds=rounds,
+        summary=summary,
+        started=now(),
+        seconds=time.perf_counter() - t0,
+    )
+
+
+def overhead(settings: Settings) -> SuiteResult | None:
+    if not settings.unpatched_python:
+        print("overhead: skipped (no --unpatched-python given)")
+        return None
+    t0 = time.perf_counter()
+    path, sizes = model_dir(settings)
+    vocab = sizes.get("vocab_size", 1024)
+    layers = _four_layers(sizes)
+    unpatched = _spec(settings, path, vocab, rounds=2)
+    patched = _spec(
+        settings, path, vocab, rounds=2, engine=engine_kwargs(settings, layers)
+    )
+
+    def side(python: str, spec: dict[str, Any]) -> dict[str, Any]:
+        runs = run_workload(python, spec)["timings"]["plain"]
+        best = max(runs, key=lambda t: t["tokens_per_s"])
+        return {
+            "runs": runs,
+            "tokens_per_s": best["tokens_per_s"],
+            "peak_rss_total": max(t["peak_rss_total"] for t in runs),
+        }
+
+    rounds = alternate(
+        settings.rounds,
+        lambda: side(settings.unpatched_python, unpatched),
+        lambda: side(sys.executable, patched),
+        lambda a, b: b["tokens_per_s"] / a["tokens_per_s"],
+    )
+    for r in rounds:
+        r["memory_ratio"] = r["B"]["peak_rss_total"] / r["A"]["peak_rss_total"]
+    summary = summarize(
+        [r["ratio"] for r in rounds],
+        "throughput patched (config set, no request asking) / unpatched",
+        True,
+        0.99,
+    )
+    result = _result(
+        "overhead",
+        "patched engine with hidden_states_config, requests asking nothing, "
+        "against the unpatched wheel of the same release (separate processes, "
+        "alternating); rounds also record peak-memory ratios",
+        settings,
+        rounds,
+        summary,
+        t0,
+    )
+    return result
+
+
+def _four_layers(sizes: dict[str, int]) -> list[Any]:
+    num_layers = sizes.get("num_hidden_layers", 4)
+    return list(dict.fromkeys([1, num_layers // 2, num_layers - 1, num_layers]))
+
+
+def capture(settings: Settings) -> SuiteResult:
+    t0 = time.perf_counter()
+    path, sizes = model_dir(settings)
+    vocab = sizes.get("vocab_size", 1024)
+    layers = _four_layers(sizes)
+    spec = _spec(
+        settings,
+        path,
+        vocab,
+        rounds=settings.rounds,
+        variants={"plain": None, "states": {"prompt": True, "output": True}},
+        engine=engine_kwargs(settings, layers),
+    )
+    out = run_workload(sys.executable, spec)["timings"]
+    rounds = []
+    for r, (a, b) in enumerate(zip(out["plain"], out["states"], strict=True)):
+        rounds.append(
+            {
+                "round": r,
+                "A": a,
+                "B": b,
+                "ratio": b["tokens_per_s"] / a["tokens_per_s"],
+                "memory_ratio": b["peak_rss_total"] / a["peak_rss_total"],
+            }
+        )
+        print(f"  round {r}: ratio {rounds[-1]['ratio']:.4f}", flush=True)
+    summary = summarize(
+        [r["ratio"] for r in rounds],
+        f"throughput with states ({len(layers)} layers, prompt+output) / without",
+        True,
+        0.95,
+    )
+    return _result(
+        "capture",
+        "generation with hidden states against without, one patched engine, "
+        "batches alternating; rounds record peak RSS (frontend and total)",
+        settings,
+        rounds,
+        summary,
+        t0,
+    )
+
+
+def transport(settings: Settings) -> SuiteResult:
+    t0 = time.perf_counter()
+    path, sizes = model_dir(settings)
+    vocab = sizes.get("vocab_size", 1024)
+    num_layers = sizes.get("num_hidden_layers", 4)
+    layers = list(range(num_layers + 1))
+    spec = _spec(
+        settings,
+        path,
+        vocab,
+        rounds=settings.rounds,
+        max_tokens=1,
+        variants={"prefill": {"prompt": True, "output": False}},
+        engine=engine_kwargs(settings, layers),
+        memcpy_mib=512,
+    )
+    spec["mode"] = "mp"
+    out = run_workload(sys.executable, spec)
+    bandwidth = out["memcpy_bytes_per_s"]
+    rounds = [
+        {
+            "round": r,
+            "B": t,
+            "memcpy_bytes_per_s": bandwidth,
+            "ratio": t["state_bytes_per_s"] / bandwidth,
+        }
+        for r, t in enumerate(out["timings"]["prefill"])
+    ]
+    summary = summarize(
+        [r["ratio"] for r in rounds],
+        f"hidden-state bytes/s delivered (all {len(layers)} layers, prefill) / "
+        "memcpy bytes/s",
+        True,
+        None,
+    )
+    return _result(
+        "transport",
+        "multiprocess engine: bytes of hidden states delivered to the caller per "
+        "second of wall time (prefill included), against a same-process memcpy",
+        settings,
+        rounds,
+        summary,
+        t0,
+    )
+
+
+SUITES = {"overhead": overhead, "capture": capture, "transport": transport}
