@@ -1,0 +1,170 @@
+"""`vllm-hs extract` as users run it: a subprocess with vLLM's default
+multiprocess engine. Killed mid-way with SIGKILL and resumed, it writes the same
+bytes as a clean run; bad input fails with a clear message and writes nothing."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from vllm_hs.conversations import load_conversations, shipped_conversations_path
+from vllm_hs.extract import DEFAULT_OUTPUT, FINGERPRINT_KEYS, HS_DIR, MANIFEST, SKIPPED
+
+
+def vllm_hs(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "vllm_hs", "extract", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def digests(output: Path) -> dict[str, str]:
+    files = sorted((output / HS_DIR).iterdir()) + sorted(output.glob("data-*.arrow"))
+    return {
+        p.relative_to(output).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in files
+    }
+
+
+def test_help_names_the_defaults(tmp_path: Path):
+    proc = vllm_hs("--help", cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())
+    for needle in (
+        f"./{DEFAULT_OUTPUT}",
+        "--resume",
+        "--regenerate",
+        "--num-shards",
+        "--merge",
+        "-- ENGINE_ARGS",
+        "hidden_states/hs_{i}.safetensors",
+        "sample n goes to shard n % S",
+        "never truncated",
+    ):
+        assert needle in text, needle
+
+
+def test_malformed_jsonl_fails_before_anything_is_written(tmp_path: Path):
+    data = tmp_path / "bad.jsonl"
+    data.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n{not json\n"
+    )
+    proc = vllm_hs("--data", str(data), "--output", "out", cwd=tmp_path, timeout=120)
+    assert proc.returncode == 1
+    assert "vllm-hs extract: error: --data:" in proc.stderr
+    assert "bad.jsonl:2: invalid JSON" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--layers", "1,99"], "--layers: layer 99 does not exist: the model has 4"),
+        (["--", "--no-such-engine-option"], "invalid vLLM engine options after --"),
+        (["--", "--model", "x"], "pass --model to vllm-hs extract, not after --"),
+    ],
+)
+def test_bad_options_fail_before_the_engine_starts(
+    tmp_path: Path, args: list[str], message: str
+):
+    proc = vllm_hs("--output", "out", *args, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 1, proc.stdout[-2000:]
+    assert message in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_killed_run_resumes_to_the_bytes_of_a_clean_run(
+    tmp_path: Path, llm, run_extract
+):
+    """Run `vllm-hs extract` without arguments (tiny model, shipped data,
+    ./vllm-hs-extract-out), SIGKILL its process group (CLI and engine core) once
+    40 samples are on disk, resume it, and compare with a clean run."""
+    out = tmp_path / DEFAULT_OUTPUT
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm_hs", "extract"],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 600
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            hs_dir = out / HS_DIR
+            written = (
+                len(list(hs_dir.glob("hs_*.safetensors"))) if hs_dir.is_dir() else 0
+            )
+            if written >= 40:
+                os.killpg(proc.pid, signal.SIGKILL)
+                break
+            time.sleep(0.02)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run ended before it was killed"
+    assert not json.loads((out / MANIFEST).read_text())["complete"]
+    before = len(list((out / HS_DIR).glob("hs_*.safetensors")))
+    assert 40 <= before < 300
+
+    resumed = vllm_hs("--resume", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming: {before} of 300 samples already written" in resumed.stdout
+    assert f"wrote {300 - before} samples" in resumed.stdout
+    assert "dataset: 300 samples" in resumed.stdout
+    assert f"output: {out.resolve()}" in resumed.stdout
+    assert not [p for p in out.rglob(".*")], "temp files left behind"
+
+    # The clean run: the same extraction in one go (in-process engine, same
+    # layers, dtype and eager mode as the CLI's embedded defaults).
+    conversations, sha = load_conversations(shipped_conversations_path())
+    clean = tmp_path / "clean"
+    run_extract(llm, conversations, clean, data_sha256=sha)
+    assert digests(out) == digests(clean)
+    assert len(digests(clean)) == 301
+    ours, theirs = (json.loads((d / MANIFEST).read_text()) for d in (out, clean))
+    for key in (*FINGERPRINT_KEYS, "samples", "tokens", "bytes", "columns"):
+        assert ours[key] == theirs[key], key
+
+    again = vllm_hs(cwd=tmp_path, timeout=300)
+    assert again.returncode == 1
+    assert "already holds an extraction; pass --resume" in again.stderr
+
+
+def test_only_too_long_conversations_exit_nonzero(tmp_path: Path):
+    long = {
+        "messages": [
+            {"role": "user", "content": "tell me everything " * 400},
+            {"role": "assistant", "content": "no"},
+        ]
+    }
+    data = tmp_path / "long.jsonl"
+    data.write_text(json.dumps(long) + "\n")
+    proc = vllm_hs("--data", str(data), "--output", "out", cwd=tmp_path)
+    assert proc.returncode == 1, proc.stdout[-2000:]
+    assert "every conversation was skipped" in proc.stderr
+    assert "skipping conversation 0:" in proc.stdout
+    assert "tokens > --max-length 1023 (not truncated)" in proc.stdout
+    out = tmp_path / "out"
+    skipped = [json.loads(x) for x in (out / SKIPPED).read_text().splitlines()]
+    assert [s["index"] for s in skipped] == [0]
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["complete"] and manifest["samples"] == 0
+    assert not list((out / HS_DIR).iterdir())
+
+
+def test_merge_without_shards_fails(tmp_path: Path):
+    proc = vllm_hs("--output", str(tmp_path), "--merge", cwd=tmp_path, timeout=120)
+    assert proc.returncode == 1
+    assert "--merge: no shard-*-of-* directories" in proc.stderr

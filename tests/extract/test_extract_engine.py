@@ -1,0 +1,377 @@
+"""vllm-hs extract with the real patched engine (in-process, shared by the module):
+states equal HF transformers per sample, speculators' training dataset reads the
+output, input forms agree, shards, resume, validation, --regenerate."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from vllm_hs.conversations import load_conversations
+from vllm_hs.extract import HS_DIR, MANIFEST, SKIPPED, merge_shards, shard_dir
+from vllm_hs.hf_reference import assert_states_close, hf_greedy, hf_hidden_states
+from vllm_hs.loss_mask import render_with_mask
+from vllm_hs.series import VllmHsError
+
+LAYERS = [1, 2, 3, 4]
+NUM = 36  # conversations of the shipped set used here
+
+
+@pytest.fixture(scope="module")
+def conversations(shipped) -> list:
+    return shipped[:NUM]
+
+
+@pytest.fixture(scope="module")
+def reference(llm, conversations, tmp_path_factory, run_extract) -> Path:
+    """One plain extraction of the conversations, shared by several tests."""
+    out = tmp_path_factory.mktemp("reference") / "out"
+    result = run_extract(llm, conversations, out)
+    assert result.written == result.samples == NUM
+    assert not result.skipped
+    return out
+
+
+def load_output(output: Path) -> tuple[Any, list[dict[str, torch.Tensor]]]:
+    from datasets import load_from_disk
+    from safetensors.torch import load_file
+
+    data = load_from_disk(str(output))
+    files = [
+        load_file(str(output / HS_DIR / f"hs_{i}.safetensors"))
+        for i in range(len(data))
+    ]
+    assert len(list((output / HS_DIR).iterdir())) == len(data)
+    return data, files
+
+
+def hs_metadata(path: Path) -> dict[str, Any]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return json.loads(f.metadata()["vllm_hs"])
+
+
+def test_states_equal_hf_per_sample(reference, conversations, model_dir, tokenizer):
+    data, files = load_output(reference)
+    assert data.column_names == ["input_ids", "loss_mask", "seq_len"]
+    assert data.features["input_ids"].feature.dtype == "int64"
+    assert data.features["loss_mask"].feature.dtype == "int64"
+    assert data.features["seq_len"].dtype == "int64"
+    manifest = json.loads((reference / MANIFEST).read_text())
+    assert manifest["complete"] and manifest["samples"] == NUM
+    assert manifest["layers"] == LAYERS
+    assert manifest["columns"]["3"]["role"] == "verifier_last_hidden_states"
+    for i, (row, hs) in enumerate(zip(data, files, strict=True)):
+        ids, mask = render_with_mask(tokenizer, conversations[i])
+        assert row["input_ids"].dtype == torch.int64
+        assert row["input_ids"].tolist() == ids == hs["token_ids"].tolist()
+        assert row["loss_mask"].tolist() == mask
+        assert int(row["seq_len"]) == len(ids)
+        assert hs["token_ids"].dtype == torch.int64
+        states = hs["hidden_states"]
+        assert states.dtype == torch.float32
+        assert tuple(states.shape) == (len(ids), len(LAYERS), 128)
+        expected = hf_hidden_states(model_dir, ids, LAYERS)
+        assert_states_close(
+            states, expected, dtype=torch.float32, what=f"sample {i}", layers=LAYERS
+        )
+        assert hs_metadata(reference / HS_DIR / f"hs_{i}.safetensors") == {
+            "input_index": i,
+            "loss_mask": "".join(map(str, mask)),
+        }
+    assert (reference / SKIPPED).read_text() == ""
+    assert not [p for p in reference.rglob(".*") if p.name != "."]
+
+
+def test_speculators_dataset_reads_the_output(reference):
+    from speculators.data_generation.offline import check_hidden_states
+    from speculators.train.data import ArrowDataset, CollateFn
+
+    dataset = ArrowDataset(
+        max_len=512,
+        datapath=str(reference),
+        on_missing="raise",
+        hidden_states_dtype=torch.float32,
+    )
+    assert len(dataset) == NUM
+    items = [dataset[i] for i in range(len(dataset))]
+    for i, item in enumerate(items):
+        t = item["input_ids"].shape[0]
+        assert t == dataset.approx_lengths[i]
+        assert tuple(item["hidden_states"].shape) == (t, 3 * 128)
+        assert tuple(item["verifier_last_hidden_states"].shape) == (t, 128)
+        assert tuple(item["loss_mask"].shape) == (t,)
+        assert item["lengths"].tolist() == [t]
+        from safetensors.torch import load_file
+
+        raw = load_file(str(reference / HS_DIR / f"hs_{i}.safetensors"))
+        check_hidden_states(raw, item["input_ids"].tolist())
+        # Aux layers 1, 2, 3 side by side; the last column (layer L=4) is the
+        # verifier's last hidden state.
+        assert torch.equal(
+            item["hidden_states"][:, 128:256], raw["hidden_states"][:, 1]
+        )
+        assert torch.equal(
+            item["verifier_last_hidden_states"], raw["hidden_states"][:, 3]
+        )
+    batch = CollateFn(max_len=512, hidden_size=128, dtype=torch.bfloat16)(items[:4])
+    assert tuple(batch["hidden_states"].shape) == (1, 512, 3 * 128)
+    assert batch["hidden_states"].dtype == torch.bfloat16
+    assert tuple(batch["verifier_last_hidden_states"].shape) == (1, 512, 128)
+    assert tuple(batch["document_ids"].shape) == (1, 512)
+
+
+def test_input_forms_give_identical_output(
+    llm, conversations, reference, tmp_path, run_extract, write_jsonl, file_digests
+):
+    from datasets import Dataset
+
+    roles = {"system": "system", "user": "human", "assistant": "gpt"}
+    openai = [{"messages": c} for c in conversations]
+    sharegpt = [
+        {
+            "conversations": [
+                {"from": roles[m["role"]], "value": m["content"]} for m in c
+            ]
+        }
+        for c in conversations
+    ]
+    openai_path = write_jsonl(tmp_path / "openai.jsonl", openai)
+    sharegpt_path = write_jsonl(tmp_path / "sharegpt.jsonl", sharegpt)
+    Dataset.from_list(sharegpt).save_to_disk(str(tmp_path / "saved"))
+    expected = file_digests(reference)
+    digests = set()
+    for source in (openai_path, sharegpt_path, tmp_path / "saved"):
+        loaded, sha = load_conversations(source)
+        digests.add(sha)
+        out = tmp_path / f"out-{source.name}"
+        run_extract(llm, loaded, out, data_sha256=sha)
+        assert file_digests(out) == expected, source
+    assert len(digests) == 1
+
+
+def test_shards_are_disjoint_complete_and_merge_to_the_whole(
+    llm, conversations, reference, tmp_path, run_extract, file_digests
+):
+    output = tmp_path / "sharded"
+    indices = []
+    for shard in range(3):
+        directory = shard_dir(output, shard, 3)
+        result = run_extract(
+            llm, conversations, directory, num_shards=3, shard_index=shard
+        )
+        assert result.samples == len(range(shard, NUM, 3))
+        mine = [
+            hs_metadata(directory / HS_DIR / f"hs_{i}.safetensors")["input_index"]
+            for i in range(result.samples)
+        ]
+        assert mine == list(range(shard, NUM, 3))
+        indices += mine
+    assert sorted(indices) == list(range(NUM))
+    merged = merge_shards(output, log=lambda message: None)
+    assert merged.samples == NUM
+    assert file_digests(output) == file_digests(reference)
+    data, _ = load_output(output)
+    ref_data, _ = load_output(reference)
+    assert data.to_dict() == ref_data.to_dict()
+    with pytest.raises(VllmHsError, match="already holds a dataset"):
+        merge_shards(output, log=lambda message: None)
+
+
+def test_resume_finishes_an_interrupted_run(
+    llm, conversations, reference, tmp_path, run_extract, file_digests
+):
+    out = tmp_path / "resumed"
+    # A small buffer keeps few requests in flight, so stopping leaves most undone.
+    partial = run_extract(llm, conversations, out, stop_after=10, buffer_bytes=1 << 20)
+    done = len(list((out / HS_DIR).glob("hs_*.safetensors")))
+    assert 10 <= done < NUM - 10, done
+    assert not json.loads((out / MANIFEST).read_text())["complete"]
+    assert not list(out.glob("data-*.arrow"))
+    # A leftover temp file, as a crash in the middle of a write leaves.
+    (out / HS_DIR / ".hs_30.safetensors.tmp").write_bytes(b"partial")
+    with pytest.raises(VllmHsError, match="pass --resume"):
+        run_extract(llm, conversations, out)
+    with pytest.raises(VllmHsError, match="other settings.*layers"):
+        run_extract(llm, conversations, out, layers=[1, 4], resume=True)
+    result = run_extract(llm, conversations, out, resume=True)
+    assert result.written == NUM - done
+    assert partial.written <= done
+    assert result.samples == NUM
+    assert file_digests(out) == file_digests(reference)
+    assert not list(out.rglob(".*.tmp"))
+    again = run_extract(llm, conversations, out, resume=True)
+    assert again.already_complete and again.written == 0
+
+
+def test_long_and_empty_conversations_are_skipped_and_reported(
+    llm, conversations, tmp_path, run_extract, tokenizer
+):
+    lengths = [len(render_with_mask(tokenizer, c)[0]) for c in conversations[:6]]
+    limit = sorted(lengths)[3]
+    no_reply = [{"role": "user", "content": "anyone there?"}]
+    batch = [*conversations[:6], no_reply]
+    out = tmp_path / "skips"
+    result = run_extract(llm, batch, out, max_length=limit)
+    too_long = [i for i, n in enumerate(lengths) if n > limit]
+    assert too_long
+    skipped = [json.loads(x) for x in (out / SKIPPED).read_text().splitlines()]
+    assert [s["index"] for s in skipped] == sorted([*too_long, 6])
+    for s in skipped:
+        assert s["stage"] == "plan"
+        if s["index"] in too_long:
+            assert f"{lengths[s['index']]} tokens > --max-length {limit}" in s["reason"]
+        else:
+            assert "no assistant tokens" in s["reason"]
+    data, files = load_output(out)
+    kept = [i for i in range(6) if i not in too_long]
+    assert result.samples == len(data) == len(kept)
+    for row, index in enumerate(kept):
+        meta = hs_metadata(out / HS_DIR / f"hs_{row}.safetensors")
+        assert meta["input_index"] == index
+        assert (
+            files[row]["token_ids"].tolist()
+            == render_with_mask(tokenizer, batch[index])[0]
+        )
+    with pytest.raises(VllmHsError, match="max_model_len 1024"):
+        run_extract(llm, batch, tmp_path / "x", max_length=5000)
+
+
+def test_bad_states_are_rejected_never_written(
+    llm, conversations, tmp_path, run_extract, monkeypatch, tokenizer
+):
+    """Corrupt what the engine returns for two requests (a NaN, a missing row):
+    both samples are reported and skipped, the rest is renumbered densely."""
+    engine = llm.llm_engine
+    real_step = engine.step
+
+    def corrupting_step():
+        outputs = real_step()
+        for out in outputs:
+            states = out.prompt_hidden_states
+            if out.request_id.startswith("vllm-hs-extract-2-"):
+                states = states.clone()
+                states[5, 1, 7] = float("nan")
+                out.prompt_hidden_states = states
+            elif out.request_id.startswith("vllm-hs-extract-4-"):
+                out.prompt_hidden_states = states[:-1]
+        return outputs
+
+    monkeypatch.setattr(engine, "step", corrupting_step)
+    out = tmp_path / "bad"
+    result = run_extract(llm, conversations[:8], out)
+    monkeypatch.undo()
+    reasons = {s.index: s.reason for s in result.rejected}
+    assert set(reasons) == {2, 4}
+    assert "non-finite hidden states (first at row 5, column 1)" in reasons[2]
+    rows, tokens = reasons[4].split(" hidden-state rows for ")
+    assert int(rows) + 1 == int(tokens.split()[0])
+    data, files = load_output(out)
+    assert len(data) == result.samples == 6
+    for row, index in enumerate([0, 1, 3, 5, 6, 7]):
+        assert hs_metadata(out / HS_DIR / f"hs_{row}.safetensors")["input_index"] == (
+            index
+        )
+        ids = render_with_mask(tokenizer, conversations[index])[0]
+        assert (
+            files[row]["token_ids"].tolist() == ids == data[row]["input_ids"].tolist()
+        )
+        assert torch.isfinite(files[row]["hidden_states"]).all()
+    skipped = [json.loads(x) for x in (out / SKIPPED).read_text().splitlines()]
+    assert [(s["index"], s["stage"]) for s in skipped] == [
+        (2, "validate"),
+        (4, "validate"),
+    ]
+    assert not list(out.rglob(".*"))
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["rejected"] == 2 and manifest["samples"] == 6
+
+
+def test_regenerate_states_equal_hf_on_generated_tokens(
+    llm, tmp_path, run_extract, model_dir, tokenizer
+):
+    """The model writes the assistant turns; every row matches HF, and the
+    generated tokens are HF's greedy continuation, turn after turn."""
+    batch = [
+        [{"role": "user", "content": "Tell me a short story about a red cat."}],
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "hello there"},
+            {"role": "assistant", "content": "(replaced by the model)"},
+            {"role": "user", "content": "and then?"},
+            {"role": "assistant", "content": "(replaced too)"},
+        ],
+        [
+            {"role": "user", "content": "why?"},
+            {"role": "assistant", "content": "(replaced)"},
+            {"role": "user", "content": "answer this one too"},
+        ],
+    ]
+    max_new = 12
+    out = tmp_path / "regen"
+    result = run_extract(llm, batch, out, regenerate=True, max_new_tokens=max_new)
+    assert result.samples == 3 and not result.skipped
+    data, files = load_output(out)
+    for i, conversation in enumerate(batch):
+        # Rebuild the sample with HF alone: greedy-generate each turn, put the
+        # decoded text back into the conversation, render the next prompt.
+        history = list(conversation)
+        slots = [j for j, m in enumerate(history) if m["role"] == "assistant"]
+        if history[-1]["role"] == "user":
+            slots.append(len(history))
+        for n, slot in enumerate(slots):
+            prompt, mask = render_with_mask(
+                tokenizer, history[:slot], add_generation_prompt=True
+            )
+            generated = hf_greedy(model_dir, prompt, max_new, stop_at_eos=True)
+            if n < len(slots) - 1:
+                text = tokenizer.decode(generated, skip_special_tokens=True)
+                history[slot] = {"role": "assistant", "content": text}
+        expected_ids = prompt + generated[:-1]
+        expected_mask = mask + [1] * (len(generated) - 1)
+        hs = files[i]
+        assert hs["token_ids"].tolist() == expected_ids, i
+        assert data[i]["input_ids"].tolist() == expected_ids
+        assert data[i]["loss_mask"].tolist() == expected_mask
+        if len(slots) > 1:
+            assert sum(mask) > 0  # earlier (regenerated) turns are supervised
+        assert_states_close(
+            hs["hidden_states"],
+            hf_hidden_states(model_dir, expected_ids, LAYERS),
+            dtype=torch.float32,
+            what=f"regenerated sample {i}",
+            layers=LAYERS,
+        )
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["regenerate"] == {
+        "max_new_tokens": max_new,
+        "temperature": 0.0,
+        "seed": 0,
+    }
+
+
+def test_regenerate_with_sampling_is_reproducible(
+    llm, conversations, tmp_path, run_extract, model_dir, file_digests
+):
+    """temperature > 0: conversation n samples with seed --seed + n, so a rerun
+    (or a resume) writes the same files; states still equal HF."""
+    batch = conversations[:4]
+    options = dict(regenerate=True, max_new_tokens=8, temperature=1.0, seed=7)
+    first = run_extract(llm, batch, tmp_path / "a", **options)
+    second = run_extract(llm, batch, tmp_path / "b", **options)
+    assert first.samples == second.samples == 4
+    assert file_digests(tmp_path / "a") == file_digests(tmp_path / "b")
+    _, files = load_output(tmp_path / "a")
+    for i, hs in enumerate(files):
+        assert_states_close(
+            hs["hidden_states"],
+            hf_hidden_states(model_dir, hs["token_ids"].tolist(), LAYERS),
+            dtype=torch.float32,
+            what=f"sampled sample {i}",
+            layers=LAYERS,
+        )
