@@ -272,4 +272,113 @@ def transport(settings: Settings) -> SuiteResult:
     )
 
 
-SUITES = {"overhead": overhead, "capture": capture, "transport": transport}
+def _prefill_spec(settings: Settings, path: str, vocab: int, **kw: Any) -> dict:
+    import tempfile
+
+    return _spec(
+        settings,
+        path,
+        vocab,
+        max_tokens=1,
+        write_dir=tempfile.mkdtemp(prefix="vllm-hs-bench-"),
+        **kw,
+    )
+
+
+def extraction(settings: Settings) -> SuiteResult:
+    """Prefill-only extraction to disk (training-data layout) against plain
+    prefill of the same prompts, one engine, batches alternating."""
+    t0 = time.perf_counter()
+    path, sizes = model_dir(settings)
+    vocab = sizes.get("vocab_size", 1024)
+    layers = _four_layers(sizes)
+    spec = _prefill_spec(
+        settings,
+        path,
+        vocab,
+        rounds=settings.rounds,
+        variants={"plain": None, "extract": {"prompt": True, "output": False}},
+        engine=engine_kwargs(settings, layers),
+    )
+    out = run_workload(sys.executable, spec)["timings"]
+    rounds = [
+        {
+            "round": r,
+            "A": a,
+            "B": b,
+            "ratio": b["tokens_per_s"] / a["tokens_per_s"],
+            "memory_ratio": b["peak_rss_total"] / a["peak_rss_total"],
+        }
+        for r, (a, b) in enumerate(zip(out["plain"], out["extract"], strict=True))
+    ]
+    summary = summarize(
+        [r["ratio"] for r in rounds],
+        f"prefill + {len(layers)}-layer states to disk / plain prefill (tokens/s)",
+        True,
+        0.95,
+    )
+    return _result(
+        "extraction", extraction.__doc__ or "", settings, rounds, summary, t0
+    )
+
+
+def native(settings: Settings) -> SuiteResult:
+    """Prefill-only extraction to disk: the vllm-hs channel against vLLM's own
+    extract_hidden_states + ExampleHiddenStatesConnector (made to run on CPU by
+    patch 0008), same layers, separate engines run alternately."""
+    t0 = time.perf_counter()
+    path, sizes = model_dir(settings)
+    vocab = sizes.get("vocab_size", 1024)
+    layers = _four_layers(sizes)
+    channel = _prefill_spec(
+        settings,
+        path,
+        vocab,
+        rounds=1,
+        variants={"extract": {"prompt": True, "output": False}},
+        engine=engine_kwargs(settings, layers),
+    )
+    native_spec = _prefill_spec(settings, path, vocab, rounds=1, native=True)
+    native_spec["engine"] = {
+        **engine_kwargs(settings, None),
+        "speculative_config": {
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {
+                "hf_config": {"eagle_aux_hidden_state_layer_ids": layers}
+            },
+        },
+        "kv_transfer_config": {
+            "kv_connector": "ExampleHiddenStatesConnector",
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {
+                "shared_storage_path": native_spec["write_dir"]
+            },
+        },
+    }
+
+    def side(spec: dict[str, Any], variant: str) -> dict[str, Any]:
+        return run_workload(sys.executable, spec)["timings"][variant][0]
+
+    rounds = alternate(
+        settings.rounds,
+        lambda: side(native_spec, "plain"),
+        lambda: side(channel, "extract"),
+        lambda a, b: b["tokens_per_s"] / a["tokens_per_s"],
+    )
+    summary = summarize(
+        [r["ratio"] for r in rounds],
+        "vllm-hs extraction to disk / vLLM native extract_hidden_states (tokens/s)",
+        True,
+        1.0,
+    )
+    return _result("native", native.__doc__ or "", settings, rounds, summary, t0)
+
+
+SUITES = {
+    "overhead": overhead,
+    "capture": capture,
+    "transport": transport,
+    "extraction": extraction,
+    "native": native,
+}

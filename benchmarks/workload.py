@@ -68,6 +68,64 @@ def memcpy_bandwidth(mib: int) -> float:
     return src.numel() / best
 
 
+def write_outputs(
+    llm: Any, outs: list, spec: dict[str, Any], tag: str, tp: Any
+) -> None:
+    """Put each request's states on disk in the training-data layout
+    (`hs_{i}.safetensors`: hidden_states [T, K, H], token_ids [T]).
+
+    With the channel the states are in the outputs; with vLLM's native
+    extract_hidden_states connector the files are written by the engine, the
+    last ones only on a later engine step: step once more and wait for them.
+    """
+    import shutil
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import save_file
+    from vllm import SamplingParams
+
+    directory = Path(spec["write_dir"]) / tag
+    if getattr(outs[0], "prompt_hidden_states", None) is not None:
+        directory.mkdir(parents=True, exist_ok=True)
+        for i, o in enumerate(outs):
+            save_file(
+                {
+                    "hidden_states": o.prompt_hidden_states.contiguous(),
+                    "token_ids": torch.tensor(o.prompt_token_ids, dtype=torch.int64),
+                },
+                str(directory / f"hs_{i}.safetensors"),
+            )
+    elif spec.get("native"):
+        llm.generate(
+            [tp(prompt_token_ids=[8, 9])], SamplingParams(max_tokens=1), use_tqdm=False
+        )
+        paths = [o.kv_transfer_params["hidden_states_path"] for o in outs]
+        deadline = time.monotonic() + 300
+        # A file is complete once it exists and its .lock is released.
+        while not all(os.path.exists(p) and not _locked(p + ".lock") for p in paths):
+            if time.monotonic() > deadline:
+                raise TimeoutError("native connector did not write its files")
+            time.sleep(0.002)
+    shutil.rmtree(Path(spec["write_dir"]), ignore_errors=True)
+
+
+def _locked(path: str) -> bool:
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = (
         "0" if spec["mode"] == "inproc" else "1"
@@ -110,6 +168,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             with PeakRss() as rss:
                 t0 = time.perf_counter()
                 outs = llm.generate(prompts, params(variants[name]), use_tqdm=False)
+                if spec.get("write_dir"):
+                    write_outputs(llm, outs, spec, f"{name}-{r}", TokensPrompt)
                 wall = time.perf_counter() - t0
             tokens = sum(
                 len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in outs
