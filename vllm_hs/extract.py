@@ -43,6 +43,7 @@ import shutil
 import sys
 import threading
 import time
+from array import array
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -106,6 +107,7 @@ FINGERPRINT_KEYS = (
 #: The one metadata key of an hs file (safetensors stores metadata in a hash map:
 #: several keys would come out in a different order in every process).
 _METADATA_KEY = "vllm_hs"
+_ARROW_CHUNK_ROWS = 4096
 
 
 # ----------------------------------------------------------------------------
@@ -120,10 +122,12 @@ class Sample:
     index: int
     row: int
     messages: Conversation
-    input_ids: list[int]
-    """Default mode: the whole rendered conversation. --regenerate: the first
-    generation prompt (the final ids are known after generation)."""
-    loss_mask: list[int]
+    input_ids: array
+    """Token ids (``array('i')``, 4 bytes a token: plans of millions of samples
+    stay small). Default mode: the whole rendered conversation. --regenerate:
+    the first generation prompt (the final ids are known after generation)."""
+    loss_mask: bytes
+    """0/1 per token."""
     slots: list[int] = dataclasses.field(default_factory=list)
     """--regenerate: message positions to (re)write, in order; position
     len(messages) = answer a trailing user message."""
@@ -212,7 +216,9 @@ def plan_samples(
         except LossMaskError as e:
             skipped.append(Skip(index, str(e)))
             continue
-        samples.append(Sample(index, len(samples), messages, ids, mask, slots))
+        samples.append(
+            Sample(index, len(samples), messages, array("i", ids), bytes(mask), slots)
+        )
     return samples, skipped
 
 
@@ -427,7 +433,6 @@ class _Writer:
                 self.done.put((sample.row, sample.index, 0, 0, None))
 
     def _write(self, sample: Sample, states: Any, token_ids: list[int], mask):
-        import torch
 
         problem = _check_states(
             states, token_ids, mask, self.layers, self.hidden, self.validate
@@ -437,7 +442,7 @@ class _Writer:
         size = _save_sample(
             hs_path(self.output, sample.row),
             states.contiguous(),
-            torch.tensor(token_ids, dtype=torch.int64),
+            _ids_tensor(token_ids),
             sample.index,
             mask,
         )
@@ -651,7 +656,7 @@ class _Run:
         tokenizer: Any,
         output: Path,
         result: ExtractResult,
-        rows: dict[int, tuple[list[int], list[int]]],
+        rows: dict[int, tuple[array, bytes]],
         *,
         layers: list[int | str],
         hidden: int,
@@ -683,7 +688,7 @@ class _Run:
         self.outstanding: dict[int, int] = {}  # row -> tokens held
         self.outstanding_tokens = 0
         self.histories: dict[int, Conversation] = {}
-        self.waiting: dict[int, tuple[list[int], list[int]]] = {}
+        self.waiting: dict[int, tuple[array, bytes]] = {}
         self.bar: Any = _NoBar()
         self.started = 0.0
 
@@ -841,9 +846,9 @@ class _Run:
         states = torch.cat([prompt_states, output_states])
         self._write(sample, states, token_ids, loss_mask)
 
-    def _write(self, sample: Sample, states: Any, ids: list[int], mask) -> None:
-        self.waiting[sample.row] = (list(ids), list(mask))
-        self.writer.submit(sample, states, self.waiting[sample.row][0], mask)
+    def _write(self, sample: Sample, states: Any, ids: Any, mask: Any) -> None:
+        self.waiting[sample.row] = (array("i", ids), bytes(mask))
+        self.writer.submit(sample, states, *self.waiting[sample.row])
 
     def _drain(self, block: bool) -> None:
         """Collect what the writer finished (waits for one result if ``block``)."""
@@ -878,7 +883,7 @@ class _Run:
 def _finalize(
     output: Path,
     samples: list[Sample],
-    rows: dict[int, tuple[list[int], list[int]]],
+    rows: dict[int, tuple[array, bytes]],
     manifest: dict[str, Any],
     result: ExtractResult,
 ) -> None:
@@ -902,7 +907,7 @@ def _finalize(
 
 def _complete(
     output: Path,
-    final: list[tuple[list[int], list[int]]],
+    final: list[tuple[array, bytes]],
     manifest: dict[str, Any],
     result: ExtractResult,
 ) -> None:
@@ -955,36 +960,48 @@ def _finish_compaction(
     final = []
     for row in range(record["samples"]):
         _, mask, token_ids, _ = _read_sample_meta(hs_path(output, row))
-        final.append((token_ids, mask))
+        final.append((array("i", token_ids), bytes(mask)))
     result.skipped = [Skip(**s) for s in record["skipped"]]
     _complete(output, final, manifest, result)
 
 
-def _write_arrow(output: Path, rows: list[tuple[list[int], list[int]]]) -> None:
-    """The Arrow dataset (speculators' columns, torch format), saved beside a temp
-    name and moved into ``output`` file by file, state.json last."""
-    from datasets import Dataset, Features, Sequence, Value
+def _write_arrow(output: Path, rows: Sequence[tuple[array, bytes]]) -> None:
+    """The Arrow dataset (speculators' columns, int64, torch format), built from
+    the compact rows in chunks, saved beside a temp name and moved into
+    ``output`` file by file, state.json last."""
+    import numpy as np
+    import pyarrow as pa
+    from datasets import Dataset
     from datasets.utils import (
         are_progress_bars_disabled,
         disable_progress_bars,
         enable_progress_bars,
     )
 
-    features = Features(
+    list_type = pa.list_(pa.int64())
+    id_chunks, mask_chunks = [], []
+    lengths = np.fromiter((len(ids) for ids, _ in rows), np.int64, len(rows))
+    for start in range(0, len(rows), _ARROW_CHUNK_ROWS):
+        part = rows[start : start + _ARROW_CHUNK_ROWS]
+        offsets = np.zeros(len(part) + 1, dtype=np.int64)
+        np.cumsum(lengths[start : start + len(part)], out=offsets[1:])
+        offsets_array = pa.array(offsets.astype(np.int32))  # < 2**31 per chunk
+        ids = np.concatenate([np.frombuffer(ids, np.int32) for ids, _ in part])
+        mask = np.concatenate([np.frombuffer(m, np.uint8) for _, m in part])
+        id_chunks.append(
+            pa.ListArray.from_arrays(offsets_array, pa.array(ids.astype(np.int64)))
+        )
+        mask_chunks.append(
+            pa.ListArray.from_arrays(offsets_array, pa.array(mask.astype(np.int64)))
+        )
+    table = pa.table(
         {
-            "input_ids": Sequence(Value("int64")),
-            "loss_mask": Sequence(Value("int64")),
-            "seq_len": Value("int64"),
+            "input_ids": pa.chunked_array(id_chunks, type=list_type),
+            "loss_mask": pa.chunked_array(mask_chunks, type=list_type),
+            "seq_len": pa.array(lengths, type=pa.int64()),
         }
     )
-    dataset = Dataset.from_dict(
-        {
-            "input_ids": [ids for ids, _ in rows],
-            "loss_mask": [mask for _, mask in rows],
-            "seq_len": [len(ids) for ids, _ in rows],
-        },
-        features=features,
-    )
+    dataset = Dataset(table)
     dataset.set_format(type="torch")
     tmp = output / ".arrow.tmp"
     if tmp.exists():
@@ -1004,11 +1021,19 @@ def _write_arrow(output: Path, rows: list[tuple[list[int], list[int]]]) -> None:
     tmp.rmdir()
 
 
+def _ids_tensor(ids: array) -> Any:
+    """token_ids as int64 torch tensor."""
+    import numpy as np
+    import torch
+
+    return torch.from_numpy(np.frombuffer(ids, np.int32).astype(np.int64))
+
+
 def _scan_finished(
     output: Path, samples: list[Sample], layers: int, hidden: int, log
-) -> dict[int, tuple[list[int], list[int]]]:
+) -> dict[int, tuple[array, bytes]]:
     """Rows whose hs file is complete and belongs to the planned sample."""
-    found: dict[int, tuple[list[int], list[int]]] = {}
+    found: dict[int, tuple[array, bytes]] = {}
     directory = output / HS_DIR
     if not directory.is_dir():
         return found
@@ -1034,14 +1059,14 @@ def _scan_finished(
                     reason = f"hidden_states shape {list(shape)}"
                 elif len(mask) != len(token_ids):
                     reason = "loss mask length"
-                elif not sample.slots and token_ids != sample.input_ids:
+                elif not sample.slots and token_ids != list(sample.input_ids):
                     reason = "token ids differ from the rendered conversation"
-                elif sample.slots and token_ids[: len(sample.input_ids)] != (
+                elif sample.slots and token_ids[: len(sample.input_ids)] != list(
                     sample.input_ids
                 ):
                     reason = "token ids differ from the rendered prompt"
         if reason is None:
-            found[row] = (token_ids, mask)
+            found[row] = (array("i", token_ids), bytes(mask))
         else:
             log(f"redoing {path.name}: {reason}")
             path.unlink()
@@ -1177,7 +1202,7 @@ def merge_shards(
         count = json.loads((directory / MANIFEST).read_text())["samples"]
         for row in range(count):
             index, mask, ids, _ = _read_sample_meta(hs_path(directory, row))
-            entries.append((index, directory, row, ids, mask))
+            entries.append((index, directory, row, array("i", ids), bytes(mask)))
         report = directory / SKIPPED
         if report.exists():
             skipped += [json.loads(x) for x in report.read_text().splitlines() if x]
@@ -1237,7 +1262,7 @@ decoder layer k (HF hidden_states[k]); L or -1 = last layer's output before the
 final norm; final_norm = after it. speculators reads the last column as the
 verifier's last hidden state (pre-norm: layer L) and the others as aux layers.
 
-sharding: sample n goes to shard n % S; each shard writes a complete dataset to
+sharding: conversation n goes to shard n % S; each shard writes a complete dataset to
 OUTPUT/shard-IIIII-of-SSSSS/. Put all shard directories in one OUTPUT (shared
 file system or copy) and run 'vllm-hs extract --output OUTPUT --merge': rows in
 input order, identical to an unsharded run.
@@ -1267,12 +1292,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--model",
+        metavar="DIR",
         default=None,
         help="model directory or HF id (default: the embedded tiny seeded Llama, "
-        "built once into the vllm-hs cache)",
+        "built once into the vllm-hs cache, run in float32 and eager mode)",
     )
     parser.add_argument(
         "--data",
+        metavar="FILE",
         type=Path,
         default=None,
         help="JSONL of conversations (OpenAI 'messages' or ShareGPT "
@@ -1281,6 +1308,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--output",
+        metavar="DIR",
         type=Path,
         default=DEFAULT_OUTPUT,
         help="output directory (default: ./%(default)s); must be new or empty "
@@ -1288,6 +1316,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--layers",
+        metavar="IDS",
         default=None,
         help="comma-separated layer ids, last = the verifier's last hidden state, "
         "e.g. 2,16,29,32 (default: speculators' [2, L//2, L-3, L]; models with "
@@ -1295,6 +1324,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--max-length",
+        metavar="N",
         type=int,
         default=None,
         help="longest sample in tokens; longer conversations are skipped and "
@@ -1309,12 +1339,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--max-new-tokens",
+        metavar="N",
         type=int,
         default=256,
         help="--regenerate: tokens per generated turn (default: %(default)s)",
     )
     parser.add_argument(
         "--temperature",
+        metavar="T",
         type=float,
         default=0.0,
         help="--regenerate: sampling temperature (default: %(default)s = greedy); "
@@ -1323,18 +1355,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--seed",
+        metavar="N",
         type=int,
         default=0,
         help="--regenerate: base sampling seed (default: %(default)s)",
     )
     parser.add_argument(
         "--num-shards",
+        metavar="S",
         type=int,
         default=1,
         help="split the work over S machines/processes (default: %(default)s)",
     )
     parser.add_argument(
         "--shard-index",
+        metavar="I",
         type=int,
         default=0,
         help="this shard, 0..S-1: takes conversations n with n %% S == I and "
@@ -1354,6 +1389,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--chat-template",
+        metavar="FILE",
         type=Path,
         default=None,
         help="Jinja chat template file to use instead of the tokenizer's",
@@ -1367,6 +1403,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--buffer-mib",
+        metavar="MIB",
         type=int,
         default=2048,
         help="host memory for states in flight or waiting to be written "

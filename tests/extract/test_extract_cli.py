@@ -49,7 +49,7 @@ def test_help_names_the_defaults(tmp_path: Path):
         "--merge",
         "-- ENGINE_ARGS",
         "hidden_states/hs_{i}.safetensors",
-        "sample n goes to shard n % S",
+        "conversation n goes to shard n % S",
         "never truncated",
     ):
         assert needle in text, needle

@@ -300,7 +300,7 @@ def test_plan_skips_long_and_unsupervised_and_shards(tokenizer):
     assert "no assistant tokens" in reasons[1]
     assert "> --max-length 60 (not truncated)" in reasons[2]
     for sample in samples:
-        assert (sample.input_ids, sample.loss_mask) == render_with_mask(
+        assert (list(sample.input_ids), list(sample.loss_mask)) == render_with_mask(
             tokenizer, conversations[sample.index]
         )
     seen = []
@@ -328,7 +328,7 @@ def test_regenerate_slots_and_plan(tokenizer):
         regenerate=True,
     )
     assert len(samples) == 1 and samples[0].slots == [1, 3]
-    assert (samples[0].input_ids, samples[0].loss_mask) == render_with_mask(
+    assert (list(samples[0].input_ids), list(samples[0].loss_mask)) == render_with_mask(
         tokenizer, CONV_B[:1], add_generation_prompt=True
     )
     assert "nothing to regenerate" in skipped[0].reason
