@@ -855,12 +855,14 @@ class _Run:
         while True:
             try:
                 row, index, tokens, size, problem = self.writer.done.get(
-                    block=block, timeout=600
+                    block=block, timeout=1.0 if block else None
                 )
             except queue.Empty:
-                if block:
-                    raise VllmHsError("the writer thread stopped answering") from None
-                return
+                if not block:
+                    return
+                if not self.writer.thread.is_alive():
+                    raise VllmHsError("the writer thread died") from None
+                continue
             block = False
             if self.writer.error is not None:
                 raise self.writer.error
@@ -1080,7 +1082,13 @@ def _open_output(
     path = output / MANIFEST
     if output.exists() and not output.is_dir():
         raise VllmHsError(f"--output {output} exists and is not a directory")
-    existing = list(output.iterdir()) if output.is_dir() else []
+    # A run killed before it wrote its manifest leaves at most these behind.
+    leftovers = {f".{MANIFEST}.tmp", HS_DIR}
+    existing = [
+        p
+        for p in (output.iterdir() if output.is_dir() else ())
+        if p.name not in leftovers or (p.is_dir() and any(p.iterdir()))
+    ]
     previous = None
     if path.exists():
         previous = json.loads(path.read_text())
@@ -1104,10 +1112,11 @@ def _open_output(
             "empty or new directory"
         )
     if previous is None or not previous.get("complete"):
-        (output / HS_DIR).mkdir(parents=True, exist_ok=True)
+        output.mkdir(parents=True, exist_ok=True)
         _remove_temp_files(output)
         if previous is None:
             _write_json_atomic(path, manifest)
+        (output / HS_DIR).mkdir(exist_ok=True)
     return previous
 
 
