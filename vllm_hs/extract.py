@@ -11,7 +11,9 @@ writes, in OUTPUT:
         sample, input_ids int64 [T], loss_mask int64 0/1 [T], seq_len int
     OUTPUT/hidden_states/hs_{i}.safetensors
         i = row of the dataset: hidden_states [T, K, H] (model dtype, columns in
-        --layers order), token_ids int64 [T] (= input_ids of row i)
+        --layers order), token_ids int64 [T] (= input_ids of row i); header
+        metadata "vllm_hs" = JSON {"input_index": n, "loss_mask": "0011..."}
+        (which input conversation, for --resume and --merge)
     OUTPUT/vllm_hs_extract.json    settings, layer meaning, summary
     OUTPUT/skipped.jsonl           input conversations that were not written, why
 
@@ -45,7 +47,7 @@ import threading
 import time
 from array import array
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,17 +62,21 @@ from vllm_hs.series import VllmHsError
 
 __all__ = [
     "DEFAULT_OUTPUT",
+    "FINGERPRINT_KEYS",
     "HS_DIR",
     "MANIFEST",
+    "SKIPPED",
     "ExtractResult",
     "Sample",
     "Skip",
     "add_parser",
     "default_layers",
+    "describe_layers",
     "extract",
     "merge_shards",
     "parse_layers",
     "plan_samples",
+    "regenerate_slots",
     "run",
     "shard_dir",
 ]
@@ -1526,7 +1532,15 @@ def run(args: argparse.Namespace) -> int:
     else:
         model = args.model
     engine_kwargs.update(_engine_overrides(engine_argv))
-    layers = parse_layers(args.layers, _num_hidden_layers(model))
+    num_hidden_layers = _num_hidden_layers(model)
+    layers = parse_layers(args.layers, num_hidden_layers)
+    if layers[-1] != num_hidden_layers:
+        print(
+            f"note: the last layer is {layers[-1]!r}, not {num_hidden_layers} (the "
+            "last decoder layer before the final norm), which speculators reads "
+            "the last column as",
+            file=sys.stderr,
+        )
     output = args.output
     if args.num_shards > 1:
         output = shard_dir(output, args.shard_index, args.num_shards)
@@ -1600,14 +1614,3 @@ def _print_summary(
         f"{len(result.skipped)} ({len(result.rejected)} failed validation); "
         f"total {total:.1f} s\noutput: {result.output.resolve()}"
     )
-
-
-def iter_rows(output: Path | str) -> Iterator[tuple[Any, dict[str, Any]]]:
-    """(Arrow row, hs file tensors) of a finished output, in row order."""
-    from datasets import load_from_disk
-    from safetensors.torch import load_file
-
-    output = Path(output)
-    data = load_from_disk(str(output))
-    for i in range(len(data)):
-        yield data[i], load_file(str(hs_path(output, i)))
