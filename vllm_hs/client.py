@@ -97,12 +97,23 @@ class ResponseHiddenStates:
         previous = target.get(index)
         target[index] = rows if previous is None else torch.cat([previous, rows])
 
+    def _add_prompt(self, index: int, payload: Any) -> None:
+        if payload is None:
+            return
+        if index in self.prompts:
+            # Prompt rows are sent once per prompt; a second payload would
+            # silently double the rows.
+            raise ValueError(f"prompt hidden states of choice {index} sent twice")
+        self.prompts[index] = decode(payload)
+        self.layers = list(_get(payload, "layers"))
+
     def add(self, response_or_chunk: Any) -> None:
-        """Fold in one response, or one stream chunk (rows are appended)."""
-        self._add(self.prompts, 0, _get(response_or_chunk, "prompt_hidden_states"))
+        """Fold in one response, or one stream chunk (output rows are
+        appended; prompt rows may come only once per prompt)."""
+        self._add_prompt(0, _get(response_or_chunk, "prompt_hidden_states"))
         for choice in _get(response_or_chunk, "choices") or ():
             index = int(_get(choice, "index"))
-            self._add(self.prompts, index, _get(choice, "prompt_hidden_states"))
+            self._add_prompt(index, _get(choice, "prompt_hidden_states"))
             self._add(self.outputs, index, _get(choice, "hidden_states"))
 
 
