@@ -52,7 +52,11 @@ if EXPECT_PATCHED:
     assert not ENGINE_REASON, ENGINE_REASON
 
 #: Test modules that start engines (in-process or CLI subprocesses).
-ENGINE_MODULES = ("test_extract_engine.py", "test_extract_cli.py")
+ENGINE_MODULES = (
+    "test_extract_bf16.py",
+    "test_extract_cli.py",
+    "test_extract_engine.py",
+)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -105,7 +109,7 @@ def shipped() -> list[list[dict[str, str]]]:
 
 
 @contextlib.contextmanager
-def inproc_engine(model_dir: str, **kwargs: Any) -> Iterator[Any]:
+def _inproc_engine(model_dir: str, **kwargs: Any) -> Iterator[Any]:
     """An in-process vLLM `LLM` (eager, fp32), shut down and cleaned up on exit
     (as tests/engine/harness.py does)."""
     from vllm import LLM
@@ -130,9 +134,14 @@ def inproc_engine(model_dir: str, **kwargs: Any) -> Iterator[Any]:
         cleanup_dist_env_and_memory()
 
 
+@pytest.fixture(name="inproc_engine", scope="session")
+def inproc_engine_fixture() -> Callable[..., Any]:
+    return _inproc_engine
+
+
 @pytest.fixture(scope="module")
 def llm(model_dir: str) -> Iterator[Any]:
-    with inproc_engine(model_dir) as engine:
+    with _inproc_engine(model_dir) as engine:
         yield engine
 
 

@@ -1,0 +1,350 @@
+"""Extraction throughput of `vllm-hs extract` against plain prefill on the same
+engine, and against HF transformers on the same data and machine.
+
+    python -m benchmarks.extraction [--model tiny|large] [--rounds 6] [--out FILE]
+
+Sides, on the conversations shipped with vllm-hs rendered by the model's chat
+template (prompt tokens only; every token is computed: the engine runs without
+prefix caching, since prompt-state requests never read it):
+
+- extract: `vllm_hs.extract.extract` into a fresh directory: engine, states
+  transport, validation and the safetensors/Arrow writes (tokens/s of its loop);
+- states: `LLM.generate` asking for prompt states (max_tokens=1), nothing written;
+- plain: `LLM.generate` with max_tokens=1 and no states (the baseline).
+
+The three alternate in rotating order for --rounds rounds on one engine (vLLM's
+default multiprocess mode); ratios extract/plain and states/plain are reported as
+median [min, max]. Then HF transformers (eager attention, same dtype, same
+layers, `output_hidden_states=True` plus a hook for the pre-norm last layer)
+runs the same token ids at batch 1 and batched with right padding; the result
+compares its tokens/s with extract's. Writes
+benchmarks/results/<vllm release>/extraction[-large].json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import (  # noqa: E402
+    RESULTS_ROOT,
+    installed_versions,
+    machine_facts,
+    now,
+    vllm_release,
+)
+
+#: build_tiny_model sizes; "large" makes compute dominate (as in suites.py).
+MODELS: dict[str, dict[str, int]] = {
+    "tiny": {},
+    "large": {
+        "hidden_size": 512,
+        "intermediate_size": 1408,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "vocab_size": 8192,
+    },
+}
+AIM = 0.95
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    return {
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+    }
+
+
+def _hf_side(
+    model_dir: str,
+    prompts: list[list[int]],
+    layers: list[Any],
+    dtype: str,
+    batch_size: int,
+    pad_id: int,
+) -> dict[str, float]:
+    """Tokens/s of HF transformers computing the same [T, K, H] states."""
+    import torch
+
+    from vllm_hs.hf_reference import load_hf_model
+
+    model = load_hf_model(model_dir, dtype)
+    num_layers = model.config.num_hidden_layers
+    captured: list[torch.Tensor] = []
+    handle = model.model.norm.register_forward_pre_hook(
+        lambda _m, args: captured.append(args[0])
+    )
+    tokens = sum(len(p) for p in prompts)
+    started = time.perf_counter()
+    try:
+        with torch.no_grad():
+            for start in range(0, len(prompts), batch_size):
+                batch = prompts[start : start + batch_size]
+                width = max(len(p) for p in batch)
+                ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+                mask = torch.zeros((len(batch), width), dtype=torch.long)
+                for row, prompt in enumerate(batch):
+                    ids[row, : len(prompt)] = torch.tensor(prompt)
+                    mask[row, : len(prompt)] = 1
+                captured.clear()
+                out = model(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    output_hidden_states=True,
+                    use_cache=False,
+                )
+                hidden = out.hidden_states
+                for row, prompt in enumerate(batch):
+                    columns = [
+                        captured[0][row] if k == num_layers else hidden[k][row]
+                        for k in layers
+                    ]
+                    states = torch.stack(columns, dim=1)[: len(prompt)].contiguous()
+                    assert states.shape[0] == len(prompt)
+    finally:
+        handle.remove()
+    seconds = time.perf_counter() - started
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument(
+        "--conversations",
+        type=int,
+        default=300,
+        help="how many shipped conversations (default: all 300)",
+    )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=2,
+        help="pass the conversations this many times per side (longer, steadier "
+        "measurements; default: %(default)s)",
+    )
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--hf-batch", type=int, default=8)
+    parser.add_argument("--hf-rounds", type=int, default=2)
+    parser.add_argument(
+        "--compile", action="store_true", help="compiled engine (default: eager)"
+    )
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        default=None,
+        help="where extraction writes (default: a temp dir)",
+    )
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    t0 = time.perf_counter()
+    load_before = os.getloadavg()
+
+    import torch
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from vllm_hs.conversations import load_conversations, shipped_conversations_path
+    from vllm_hs.extract import default_layers, extract, plan_samples
+    from vllm_hs.tiny_model import build_tiny_model
+
+    sizes = MODELS[args.model]
+    model_dir = str(build_tiny_model("llama", "float32", **sizes))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    conversations, sha = load_conversations(shipped_conversations_path())
+    conversations = conversations[: args.conversations] * args.repeat
+    samples, skipped = plan_samples(conversations, tokenizer, max_length=1023)
+    assert not skipped, skipped
+    prompts = [list(s.input_ids) for s in samples]
+    tokens = sum(len(p) for p in prompts)
+    num_layers = sizes.get("num_hidden_layers", 4)
+    layers: list[Any] = default_layers(num_layers)
+    settings = {
+        "model": args.model,
+        "model_sizes": sizes,
+        "dtype": args.dtype,
+        "layers": layers,
+        "conversations": len(prompts),
+        "repeat": args.repeat,
+        "tokens_per_side": tokens,
+        "mean_tokens": round(tokens / len(prompts), 1),
+        "rounds": args.rounds,
+        "engine_mode": "multiprocess (vLLM default)",
+        "enforce_eager": not args.compile,
+        "enable_prefix_caching": False,
+        "hf_batch": args.hf_batch,
+        "hf_attention": "eager",
+    }
+    print(f"model {args.model}, {len(prompts)} conversations, {tokens} tokens/side")
+
+    on_gpu = torch.cuda.is_available()
+    llm = LLM(
+        model_dir,
+        hidden_states_config={"layers": layers},
+        dtype=args.dtype,
+        enforce_eager=not args.compile,
+        enable_prefix_caching=False,
+        seed=0,
+        **({} if on_gpu else {"kv_cache_memory_bytes": 1 << 30}),
+    )
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="vllm-hs-bench-"))
+    token_prompts = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+
+    def plain() -> dict[str, float]:
+        started = time.perf_counter()
+        llm.generate(
+            token_prompts,
+            SamplingParams(max_tokens=1, detokenize=False),
+            use_tqdm=False,
+        )
+        seconds = time.perf_counter() - started
+        return {"seconds": seconds, "tokens_per_s": tokens / seconds}
+
+    def states() -> dict[str, float]:
+        params = SamplingParams(
+            max_tokens=1,
+            detokenize=False,
+            hidden_states={"prompt": True, "output": False},
+        )
+        started = time.perf_counter()
+        outs = llm.generate(token_prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - started
+        rows = sum(o.prompt_hidden_states.shape[0] for o in outs)
+        assert rows == tokens
+        return {"seconds": seconds, "tokens_per_s": tokens / seconds}
+
+    def extraction() -> dict[str, float]:
+        out = workdir / "out"
+        shutil.rmtree(out, ignore_errors=True)
+        result = extract(
+            llm,
+            conversations,
+            out,
+            layers=layers,
+            data_sha256=sha,
+            tokenizer=tokenizer,
+            progress=False,
+            log=lambda message: None,
+        )
+        assert result.written_tokens == tokens and not result.skipped
+        shutil.rmtree(out)
+        return {
+            "seconds": result.seconds,
+            "tokens_per_s": tokens / result.seconds,
+            "bytes": result.bytes,
+        }
+
+    sides = {"extract": extraction, "states": states, "plain": plain}
+    try:
+        for side in sides.values():  # warm-up
+            side()
+        rounds = []
+        for r in range(args.rounds):
+            order = list(sides)[r % 3 :] + list(sides)[: r % 3]
+            measured = {name: sides[name]() for name in order}
+            base = measured["plain"]["tokens_per_s"]
+            record = {
+                "round": r,
+                "order": order,
+                **measured,
+                "ratio": measured["extract"]["tokens_per_s"] / base,
+                "states_ratio": measured["states"]["tokens_per_s"] / base,
+            }
+            rounds.append(record)
+            print(
+                f"  round {r}: extract {measured['extract']['tokens_per_s']:,.0f} "
+                f"states {measured['states']['tokens_per_s']:,.0f} plain "
+                f"{base:,.0f} tok/s; extract/plain {record['ratio']:.3f}",
+                flush=True,
+            )
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        gc.collect()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    hf = {}
+    for name, batch in (("hf_batch1", 1), (f"hf_batch{args.hf_batch}", args.hf_batch)):
+        runs = [
+            _hf_side(model_dir, prompts, layers, args.dtype, batch, pad_id)
+            for _ in range(args.hf_rounds)
+        ]
+        hf[name] = {
+            "batch_size": batch,
+            "runs": runs,
+            "tokens_per_s": _stats([x["tokens_per_s"] for x in runs]),
+        }
+        print(f"  {name}: {hf[name]['tokens_per_s']['median']:,.0f} tok/s")
+
+    extract_tps = statistics.median(r["extract"]["tokens_per_s"] for r in rounds)
+    ratios = [r["ratio"] for r in rounds]
+    comparisons = {
+        "extract_tokens_per_s": _stats([r["extract"]["tokens_per_s"] for r in rounds]),
+        "states_tokens_per_s": _stats([r["states"]["tokens_per_s"] for r in rounds]),
+        "plain_tokens_per_s": _stats([r["plain"]["tokens_per_s"] for r in rounds]),
+        "states_over_plain": _stats([r["states_ratio"] for r in rounds]),
+        **{
+            f"extract_over_{name}": extract_tps / side["tokens_per_s"]["median"]
+            for name, side in hf.items()
+        },
+        "hf": hf,
+        "bytes_per_token": rounds[0]["extract"]["bytes"] / tokens,
+    }
+    versions = installed_versions()
+    result = {
+        "suite": "extraction" if args.model == "tiny" else f"extraction-{args.model}",
+        "description": (
+            "vllm-hs extract (engine + transport + validation + writes) tokens/s "
+            "over plain prefill (max_tokens=1, no states) on the same engine, "
+            "alternating; also HF transformers on the same data"
+        ),
+        "settings": settings,
+        "rounds": rounds,
+        "summary": {
+            "metric": "extract tokens/s / plain prefill tokens/s",
+            "higher_is_better": True,
+            "aim": AIM,
+            **_stats(ratios),
+        },
+        "comparisons": comparisons,
+        "machine": machine_facts(),
+        "versions": versions,
+        "started": now(),
+        "seconds": time.perf_counter() - t0,
+        # Other work on the machine shows here (1/5/15-minute load averages).
+        "load_average": {"before": load_before, "after": os.getloadavg()},
+    }
+    out = args.out or RESULTS_ROOT / vllm_release(versions) / f"{result['suite']}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    s = result["summary"]
+    print(
+        f"extract/plain {s['median']:.3f} [{s['min']:.3f}, {s['max']:.3f}] "
+        f"(aim >= {AIM}); states/plain "
+        f"{comparisons['states_over_plain']['median']:.3f}; extract/HF batch 1 "
+        f"{comparisons['extract_over_hf_batch1']:.2f}x, extract/HF batch "
+        f"{args.hf_batch} {comparisons[f'extract_over_hf_batch{args.hf_batch}']:.2f}x"
+        f"\nwrote {out} ({result['seconds']:.0f} s)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
