@@ -141,6 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--hf-batch", type=int, default=8)
+    parser.add_argument(
+        "--hf-conversations",
+        type=int,
+        default=100,
+        help="HF runs on the first N prompts only (a rate; HF at batch 1 is slow)",
+    )
     parser.add_argument("--hf-rounds", type=int, default=2)
     parser.add_argument(
         "--compile", action="store_true", help="compiled engine (default: eager)"
@@ -190,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         "enforce_eager": not args.compile,
         "enable_prefix_caching": False,
         "hf_batch": args.hf_batch,
+        "hf_conversations": min(args.hf_conversations, len(prompts)),
+        "torch_threads": torch.get_num_threads(),
         "hf_attention": "eager",
     }
     print(f"model {args.model}, {len(prompts)} conversations, {tokens} tokens/side")
@@ -280,10 +288,11 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    hf_prompts = prompts[: args.hf_conversations]
     hf = {}
     for name, batch in (("hf_batch1", 1), (f"hf_batch{args.hf_batch}", args.hf_batch)):
         runs = [
-            _hf_side(model_dir, prompts, layers, args.dtype, batch, pad_id)
+            _hf_side(model_dir, hf_prompts, layers, args.dtype, batch, pad_id)
             for _ in range(args.hf_rounds)
         ]
         hf[name] = {
