@@ -366,18 +366,20 @@ def _read_sample_meta(path: Path) -> tuple[int, list[int], list[int], tuple]:
 
 
 def _remove_temp_files(output: Path) -> None:
+    """Delete what an interrupted run leaves: our ``.NAME.tmp`` files and the
+    ``.tmpXXXXXX`` files safetensors (>= 0.7) writes before its own rename."""
     for directory in (output, output / HS_DIR):
         if directory.is_dir():
-            for path in directory.glob(".*.tmp"):
-                path.unlink()
+            for path in directory.iterdir():
+                name = path.name
+                if path.is_file() and (
+                    name.startswith(".tmp")
+                    or (name.startswith(".") and name.endswith(".tmp"))
+                ):
+                    path.unlink()
     arrow_tmp = output / ".arrow.tmp"
     if arrow_tmp.exists():
         shutil.rmtree(arrow_tmp)
-
-
-# ----------------------------------------------------------------------------
-# Extraction
-# ----------------------------------------------------------------------------
 
 
 @dataclasses.dataclass

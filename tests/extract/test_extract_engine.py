@@ -193,8 +193,10 @@ def test_resume_finishes_an_interrupted_run(
     assert 10 <= done < NUM - 10, done
     assert not json.loads((out / MANIFEST).read_text())["complete"]
     assert not list(out.glob("data-*.arrow"))
-    # A leftover temp file, as a crash in the middle of a write leaves.
+    # Leftovers of a crash in the middle of a write: our temp name, and the one
+    # safetensors writes before its own rename.
     (out / HS_DIR / ".hs_30.safetensors.tmp").write_bytes(b"partial")
+    (out / HS_DIR / ".tmpAb12Cd").write_bytes(b"partial")
     with pytest.raises(VllmHsError, match="pass --resume"):
         run_extract(llm, conversations, out)
     with pytest.raises(VllmHsError, match="other settings.*layers"):
