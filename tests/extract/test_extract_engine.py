@@ -4,6 +4,7 @@ output, input forms agree, shards, resume, validation, --regenerate."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -377,3 +378,33 @@ def test_regenerate_with_sampling_is_reproducible(
             what=f"sampled sample {i}",
             layers=LAYERS,
         )
+
+
+def test_chat_template_override(llm, conversations, tmp_path, run_extract, tokenizer):
+    """--chat-template: a template without generation markers renders the same
+    tokens; the mask then comes from prefix renders (the newline after each
+    assistant <|im_end|> counts too) and the manifest records the template."""
+    from vllm_hs.tiny_model import CHAT_TEMPLATE
+
+    template = CHAT_TEMPLATE.replace("{%- generation -%}", "").replace(
+        "{%- endgeneration -%}", ""
+    )
+    batch = conversations[:4]
+    out = tmp_path / "template"
+    run_extract(llm, batch, out, chat_template=template)
+    data, files = load_output(out)
+    newline = tokenizer("\n", add_special_tokens=False)["input_ids"][0]
+    for i, conversation in enumerate(batch):
+        ids, marked = render_with_mask(tokenizer, conversation)
+        assert data[i]["input_ids"].tolist() == ids
+        mask = data[i]["loss_mask"].tolist()
+        assert (
+            mask == render_with_mask(tokenizer, conversation, chat_template=template)[1]
+        )
+        extra = [t for t in range(len(ids)) if mask[t] and not marked[t]]
+        assert extra and all(ids[t] == newline for t in extra)
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert (
+        manifest["chat_template_sha256"]
+        == hashlib.sha256(template.encode()).hexdigest()
+    )
