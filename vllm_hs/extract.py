@@ -1463,10 +1463,14 @@ def _engine_overrides(argv: Sequence[str]) -> dict[str, Any]:
     return overrides
 
 
-def _num_hidden_layers(model: str) -> int:
+def _num_hidden_layers(model: str, engine_kwargs: dict[str, Any]) -> int:
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model)
+    config = AutoConfig.from_pretrained(
+        model,
+        revision=engine_kwargs.get("revision"),
+        trust_remote_code=bool(engine_kwargs.get("trust_remote_code")),
+    )
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     layers = getattr(text, "num_hidden_layers", None)
     if not layers:
@@ -1534,7 +1538,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         model = args.model
     engine_kwargs.update(_engine_overrides(engine_argv))
-    num_hidden_layers = _num_hidden_layers(model)
+    num_hidden_layers = _num_hidden_layers(model, engine_kwargs)
     layers = parse_layers(args.layers, num_hidden_layers)
     if layers[-1] != num_hidden_layers:
         print(
