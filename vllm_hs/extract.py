@@ -14,6 +14,8 @@ writes, in OUTPUT:
         --layers order), token_ids int64 [T] (= input_ids of row i); header
         metadata "vllm_hs" = JSON {"input_index": n, "loss_mask": "0011..."}
         (which input conversation, for --resume and --merge)
+    OUTPUT/token_freq.pt           {token id: count} of the loss-masked tokens
+                                   (speculators' draft vocabulary mapping)
     OUTPUT/vllm_hs_extract.json    settings, layer meaning, summary
     OUTPUT/skipped.jsonl           input conversations that were not written, why
 
@@ -66,6 +68,7 @@ __all__ = [
     "HS_DIR",
     "MANIFEST",
     "SKIPPED",
+    "TOKEN_FREQ",
     "ExtractResult",
     "Sample",
     "Skip",
@@ -85,6 +88,7 @@ DEFAULT_OUTPUT = Path("vllm-hs-extract-out")
 HS_DIR = "hidden_states"
 MANIFEST = "vllm_hs_extract.json"
 SKIPPED = "skipped.jsonl"
+TOKEN_FREQ = "token_freq.pt"
 COMPACTION = ".vllm_hs_compaction.json"
 FORMAT_VERSION = 1
 ARROW_FILES = ("dataset_info.json", "state.json")
@@ -922,6 +926,7 @@ def _complete(
     result: ExtractResult,
 ) -> None:
     _write_arrow(output, final)
+    _write_token_freq(output, final)
     result.samples = len(final)
     result.tokens = sum(len(ids) for ids, _ in final)
     result.bytes = sum(hs_path(output, i).stat().st_size for i in range(len(final)))
@@ -1029,6 +1034,32 @@ def _write_arrow(output: Path, rows: Sequence[tuple[array, bytes]]) -> None:
     for name in sorted(names, key=lambda n: n == "state.json"):
         os.replace(tmp / name, output / name)
     tmp.rmdir()
+
+
+def _write_token_freq(output: Path, rows: Sequence[tuple[array, bytes]]) -> None:
+    """``token_freq.pt``: {token id: count} over the loss-masked tokens, what
+    speculators' prepare_data writes and train.py reads (with
+    --draft-vocab-size) to build the draft vocabulary mapping."""
+    import io
+
+    import numpy as np
+    import torch
+
+    counts: dict[int, int] = {}
+    for start in range(0, len(rows), _ARROW_CHUNK_ROWS):
+        part = rows[start : start + _ARROW_CHUNK_ROWS]
+        if not part:
+            break
+        ids = np.concatenate([np.frombuffer(ids, np.int32) for ids, _ in part])
+        mask = np.concatenate([np.frombuffer(m, np.uint8) for _, m in part])
+        values, numbers = np.unique(ids[mask.astype(bool)], return_counts=True)
+        for value, number in zip(values.tolist(), numbers.tolist(), strict=True):
+            counts[value] = counts.get(value, 0) + number
+    buffer = io.BytesIO()
+    torch.save(dict(sorted(counts.items())), buffer)
+    tmp = output / f".{TOKEN_FREQ}.tmp"
+    tmp.write_bytes(buffer.getvalue())
+    os.replace(tmp, output / TOKEN_FREQ)
 
 
 def _ids_tensor(ids: array) -> Any:
@@ -1237,6 +1268,7 @@ def merge_shards(
             shutil.copyfile(hs_path(directory, row), tmp)
         os.replace(tmp, target)
     _write_arrow(output, [(ids, mask) for _, _, _, ids, mask in entries])
+    _write_token_freq(output, [(ids, mask) for _, _, _, ids, mask in entries])
     result.samples = len(entries)
     result.tokens = sum(len(e[3]) for e in entries)
     result.bytes = sum(hs_path(output, i).stat().st_size for i in range(len(entries)))
@@ -1271,6 +1303,8 @@ ArrowDataset(datapath=OUTPUT) or train.py --data-path OUTPUT):
       int64 [T], loss_mask int64 0/1 [T], seq_len int (one row per sample)
   OUTPUT/hidden_states/hs_{i}.safetensors   row i: hidden_states [T, K, H] in
       the model dtype (columns = --layers), token_ids int64 [T]
+  OUTPUT/token_freq.pt          counts of the loss-masked token ids (for
+      train.py --draft-vocab-size)
   OUTPUT/vllm_hs_extract.json   settings, what each column is, summary
   OUTPUT/skipped.jsonl          conversations not written, with the reason
 

@@ -156,12 +156,14 @@ def write_jsonl_fixture() -> Callable[[Path, list[Any]], Path]:
 
 
 def _file_digests(output: Path) -> dict[str, str]:
-    """sha256 of every hs file and Arrow data file of an output directory."""
+    """sha256 of every hs file, the Arrow data files and token_freq.pt."""
     import hashlib
 
-    files = sorted((output / "hidden_states").glob("*")) + sorted(
-        output.glob("data-*.arrow")
-    )
+    files = [
+        *sorted((output / "hidden_states").glob("*")),
+        *sorted(output.glob("data-*.arrow")),
+        output / "token_freq.pt",
+    ]
     return {
         p.relative_to(output).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
         for p in files

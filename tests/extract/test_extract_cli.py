@@ -30,7 +30,11 @@ def vllm_hs(*args: str, cwd: Path, timeout: float = 600) -> subprocess.Completed
 
 
 def digests(output: Path) -> dict[str, str]:
-    files = sorted((output / HS_DIR).iterdir()) + sorted(output.glob("data-*.arrow"))
+    files = [
+        *sorted((output / HS_DIR).iterdir()),
+        *sorted(output.glob("data-*.arrow")),
+        output / "token_freq.pt",
+    ]
     return {
         p.relative_to(output).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
         for p in files
@@ -132,7 +136,7 @@ def test_killed_run_resumes_to_the_bytes_of_a_clean_run(
     clean = tmp_path / "clean"
     run_extract(llm, conversations, clean, data_sha256=sha)
     assert digests(out) == digests(clean)
-    assert len(digests(clean)) == 301
+    assert len(digests(clean)) == 302
     ours, theirs = (json.loads((d / MANIFEST).read_text()) for d in (out, clean))
     for key in (*FINGERPRINT_KEYS, "samples", "tokens", "bytes", "columns"):
         assert ours[key] == theirs[key], key

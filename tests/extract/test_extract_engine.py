@@ -86,6 +86,25 @@ def test_states_equal_hf_per_sample(reference, conversations, model_dir, tokeniz
             "loss_mask": "".join(map(str, mask)),
         }
     assert (reference / SKIPPED).read_text() == ""
+    # token_freq.pt: counts of the masked tokens, usable by speculators' mapping.
+    from collections import Counter
+
+    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+
+    expected_freq = Counter(
+        t
+        for row in data
+        for t, m in zip(
+            row["input_ids"].tolist(), row["loss_mask"].tolist(), strict=True
+        )
+        if m
+    )
+    freq = torch.load(reference / "token_freq.pt", weights_only=True)
+    assert freq == dict(expected_freq)
+    d2t, t2d = build_vocab_mappings_from_distribution(
+        token_freq_dict=freq, draft_vocab_size=64, target_vocab_size=1024
+    )
+    assert d2t.shape[0] == 64 and t2d.shape[0] == 1024
     assert not [p for p in reference.rglob(".*") if p.name != "."]
 
 
