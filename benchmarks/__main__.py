@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     run = sub.add_parser("run", help="run suites, write results, refresh the report")
     run.add_argument(
         "--suites",
-        default="capture,transport,extraction,native,overhead",
+        default="capture,transport,native,overhead",
         help="comma-separated suites (default: %(default)s)",
     )
     run.add_argument(

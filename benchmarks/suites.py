@@ -8,6 +8,11 @@
 - transport: hidden-state bytes per second delivered to the caller by the
   default multiprocess engine, against this machine's memory-copy bandwidth
   measured in the same process.
+- native: prefill-only extraction to disk, the channel against vLLM's own
+  extract_hidden_states connector.
+Extraction against plain prefill and HF transformers is `benchmarks/extraction.py`
+(`python -m benchmarks.extraction`); the response encoding is
+`benchmarks/response_encoding.py`.
 """
 
 from __future__ import annotations
@@ -285,43 +290,6 @@ def _prefill_spec(settings: Settings, path: str, vocab: int, **kw: Any) -> dict:
     )
 
 
-def extraction(settings: Settings) -> SuiteResult:
-    """Prefill-only extraction to disk (training-data layout) against plain
-    prefill of the same prompts, one engine, batches alternating."""
-    t0 = time.perf_counter()
-    path, sizes = model_dir(settings)
-    vocab = sizes.get("vocab_size", 1024)
-    layers = _four_layers(sizes)
-    spec = _prefill_spec(
-        settings,
-        path,
-        vocab,
-        rounds=settings.rounds,
-        variants={"plain": None, "extract": {"prompt": True, "output": False}},
-        engine=engine_kwargs(settings, layers),
-    )
-    out = run_workload(sys.executable, spec)["timings"]
-    rounds = [
-        {
-            "round": r,
-            "A": a,
-            "B": b,
-            "ratio": b["tokens_per_s"] / a["tokens_per_s"],
-            "memory_ratio": b["peak_rss_total"] / a["peak_rss_total"],
-        }
-        for r, (a, b) in enumerate(zip(out["plain"], out["extract"], strict=True))
-    ]
-    summary = summarize(
-        [r["ratio"] for r in rounds],
-        f"prefill + {len(layers)}-layer states to disk / plain prefill (tokens/s)",
-        True,
-        0.95,
-    )
-    return _result(
-        "extraction", extraction.__doc__ or "", settings, rounds, summary, t0
-    )
-
-
 def native(settings: Settings) -> SuiteResult:
     """Prefill-only extraction to disk: the vllm-hs channel against vLLM's own
     extract_hidden_states + ExampleHiddenStatesConnector (made to run on CPU by
@@ -379,6 +347,5 @@ SUITES = {
     "overhead": overhead,
     "capture": capture,
     "transport": transport,
-    "extraction": extraction,
     "native": native,
 }
