@@ -45,20 +45,8 @@ from benchmarks.common import (  # noqa: E402
     now,
     vllm_release,
 )
+from benchmarks.suites import MODELS  # noqa: E402  (build_tiny_model sizes)
 
-#: build_tiny_model sizes; "large" makes compute dominate (as in suites.py).
-MODELS: dict[str, dict[str, int]] = {
-    "tiny": {},
-    "large": {
-        "hidden_size": 512,
-        "intermediate_size": 1408,
-        "num_hidden_layers": 8,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 4,
-        "head_dim": 64,
-        "vocab_size": 8192,
-    },
-}
 AIM = 0.95
 
 

@@ -7,30 +7,13 @@ multiprocess engine runs vLLM's default compiled (inductor) model, as users do.
 
 from __future__ import annotations
 
-import os
-
 import pytest
+from harness import BUDGET, CAP_BYTES, MAIN_LAYERS, MODES, engine
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+from vllm_hs.testing import patched_vllm_skip_reason
+from vllm_hs.tiny_model import build_tiny_model
 
-if os.environ.get("VLLM_HS_EXPECT_PATCHED") == "1":
-    # tox sets this: a missing or unpatched vllm is an error, never a skip.
-    import vllm
-
-    assert hasattr(vllm, "HiddenStatesParams"), f"vllm at {vllm.__file__} is unpatched"
-    SKIP_REASON = ""
-else:
-    try:
-        import vllm
-
-        SKIP_REASON = "" if hasattr(vllm, "HiddenStatesParams") else "unpatched vLLM"
-    except ImportError:
-        SKIP_REASON = "vLLM is not installed"
-
-from harness import BUDGET, CAP_BYTES, MAIN_LAYERS, MODES, engine  # noqa: E402
-
-from vllm_hs.tiny_model import build_tiny_model  # noqa: E402
+SKIP_REASON = patched_vllm_skip_reason()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

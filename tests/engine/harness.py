@@ -7,16 +7,14 @@ a row from the wrong position, layer or request fails, as do zeros.
 
 from __future__ import annotations
 
-import contextlib
-import gc
-import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from vllm_hs.hf_reference import assert_states_close, hf_sequence_states
+from vllm_hs.testing import engine  # noqa: F401  (re-exported for the tests)
 
 MODES = ("inproc", "mp")
 """Engine modes: the in-process engine core (no serialization) and the default
@@ -30,30 +28,6 @@ MAIN_RESOLVED: list[int | str] = [0, 2, 4, "final_norm"]
 ROW_BYTES = 4 * 128 * 4  # 4 layers x hidden 128 x fp32
 CAP_BYTES = 256 * ROW_BYTES
 BUDGET = 32  # max_num_batched_tokens: long prompts prefill in many chunks
-
-
-@contextlib.contextmanager
-def engine(model_dir: str, mode: str, **kwargs: Any) -> Iterator[Any]:
-    """A vLLM `LLM` in `mode`, shut down and cleaned up on exit."""
-    from vllm import LLM
-    from vllm.distributed import cleanup_dist_env_and_memory
-
-    assert mode in MODES, mode
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if mode == "mp" else "0"
-    options: dict[str, Any] = dict(
-        max_model_len=512,
-        kv_cache_memory_bytes=64 << 20,
-        seed=0,
-    )
-    options.update(kwargs)
-    llm = LLM(model_dir, **options)
-    try:
-        yield llm
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
-        cleanup_dist_env_and_memory()
 
 
 def greedy(max_tokens: int, **kwargs: Any) -> Any:

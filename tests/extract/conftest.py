@@ -12,8 +12,6 @@ extract` in subprocesses with vLLM's default multiprocess engine.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import importlib
 import json
 import os
@@ -22,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from vllm_hs.testing import engine
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -108,30 +108,18 @@ def shipped() -> list[list[dict[str, str]]]:
     return load_conversations(shipped_conversations_path())[0]
 
 
-@contextlib.contextmanager
-def _inproc_engine(model_dir: str, **kwargs: Any) -> Iterator[Any]:
-    """An in-process vLLM `LLM` (eager, fp32), shut down and cleaned up on exit
-    (as tests/engine/harness.py does)."""
-    from vllm import LLM
-    from vllm.distributed import cleanup_dist_env_and_memory
-
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+def _inproc_engine(model_dir: str, **kwargs: Any) -> Any:
+    """An in-process vLLM `LLM` (eager, fp32, the model's own context length),
+    shut down and cleaned up on exit."""
     options: dict[str, Any] = dict(
         hidden_states_config={"layers": LAYERS},
         dtype="float32",
         kv_cache_memory_bytes=128 << 20,
+        max_model_len=None,
         enforce_eager=True,
-        seed=0,
     )
     options.update(kwargs)
-    llm = LLM(model_dir, **options)
-    try:
-        yield llm
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
-        cleanup_dist_env_and_memory()
+    return engine(model_dir, "inproc", **options)
 
 
 @pytest.fixture(name="inproc_engine", scope="session")
@@ -141,8 +129,8 @@ def inproc_engine_fixture() -> Callable[..., Any]:
 
 @pytest.fixture(scope="module")
 def llm(model_dir: str) -> Iterator[Any]:
-    with _inproc_engine(model_dir) as engine:
-        yield engine
+    with _inproc_engine(model_dir) as shared_llm:
+        yield shared_llm
 
 
 def _write_jsonl(path: Path, rows: list[Any]) -> Path:

@@ -9,28 +9,14 @@ so that both start in parallel; both are stopped (process group) at the end.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+from vllm_hs.testing import patched_vllm_skip_reason
 
-if os.environ.get("VLLM_HS_EXPECT_PATCHED") == "1":
-    # tox sets this: a missing or unpatched vllm is an error, never a skip.
-    import vllm
-
-    assert hasattr(vllm, "HiddenStatesParams"), f"vllm at {vllm.__file__} is unpatched"
-    SKIP_REASON = ""
-else:
-    try:
-        import vllm
-
-        SKIP_REASON = "" if hasattr(vllm, "HiddenStatesParams") else "unpatched vLLM"
-    except ImportError:
-        SKIP_REASON = "vLLM is not installed"
+SKIP_REASON = patched_vllm_skip_reason()
 
 from serverkit import HS_CONFIG, ServerProcess  # noqa: E402
 

@@ -1,0 +1,61 @@
+"""Test support shared by tests/engine, tests/server and tests/extract: whether
+the patched vLLM is there, and an engine that cleans up after itself.
+
+Heavy imports (vllm) happen inside the functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+from collections.abc import Iterator
+from typing import Any
+
+
+def patched_vllm_skip_reason() -> str:
+    """'' when the importable vLLM has the hidden-state channel, else why not.
+
+    With VLLM_HS_EXPECT_PATCHED=1 (set by tox) a missing or unpatched vLLM is an
+    error, never a reason to skip.
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    if os.environ.get("VLLM_HS_EXPECT_PATCHED") == "1":
+        import vllm
+
+        if not hasattr(vllm, "HiddenStatesParams"):
+            raise AssertionError(f"vllm at {vllm.__file__} is unpatched")
+        return ""
+    try:
+        import vllm
+    except ImportError:
+        return "vLLM is not installed"
+    return "" if hasattr(vllm, "HiddenStatesParams") else "unpatched vLLM"
+
+
+@contextlib.contextmanager
+def engine(model_dir: str, mode: str = "inproc", **kwargs: Any) -> Iterator[Any]:
+    """A vLLM `LLM` in `mode` ("inproc": engine core in this process; "mp": the
+    default multiprocess engine), shut down and cleaned up on exit. Defaults: a
+    512-token context and a 64 MiB KV cache; kwargs override them."""
+    from vllm import LLM
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    if mode not in ("inproc", "mp"):
+        raise ValueError(f"mode must be 'inproc' or 'mp', got {mode!r}")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if mode == "mp" else "0"
+    options: dict[str, Any] = dict(
+        max_model_len=512,
+        kv_cache_memory_bytes=64 << 20,
+        seed=0,
+    )
+    options.update(kwargs)
+    llm = LLM(model_dir, **options)
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+        cleanup_dist_env_and_memory()
