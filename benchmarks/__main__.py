@@ -40,6 +40,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         eager=not args.compile,
         unpatched_python=args.unpatched_python,
+        load_format=args.load_format,
     )
     versions = installed_versions()
     if not versions.get("patched") and has_channel(sys.executable):
@@ -103,15 +104,20 @@ def main(argv: list[str] | None = None) -> int:
     run = sub.add_parser("run", help="run suites, write results, refresh the report")
     run.add_argument(
         "--suites",
-        default="capture,transport,native,overhead",
+        default="capture,transport,native,overhead,overhead_config",
         help="comma-separated suites (default: %(default)s)",
     )
     run.add_argument(
         "--model",
-        choices=["tiny", "large"],
         default="large",
-        help="tiny: hidden 128, 4 layers; large: hidden 512, 8 layers, "
-        "vocab 8192 (default: %(default)s)",
+        help="tiny: seeded hidden 128, 4 layers; large: seeded hidden 512, 8 "
+        "layers, vocab 8192; or a model directory, e.g. a real model's config "
+        "with --load-format dummy on a GPU (default: %(default)s)",
+    )
+    run.add_argument(
+        "--load-format",
+        default="auto",
+        help="vLLM load_format; 'dummy' needs only config.json (default: auto)",
     )
     run.add_argument(
         "--mode",
