@@ -82,6 +82,10 @@ def engine_kwargs(settings: Settings, layers: list[Any] | None) -> dict[str, Any
         "max_model_len": settings.prompt_len + settings.max_tokens + 16,
         "enforce_eager": settings.eager,
         "load_format": settings.load_format,
+        # Rounds repeat the same prompts: with prefix caching, a side that may
+        # read the cache (plain requests) would skip work that a prompt-state
+        # request (which never reads it) does.
+        "enable_prefix_caching": False,
         "seed": 0,
     }
     try:
