@@ -69,7 +69,8 @@ def chart(results: list[tuple[str, dict[str, Any]]], path: Path) -> bool:
         if aim is not None:
             ax.hlines(aim, i - 0.4, i + 0.4, colors="#C44E52", linestyles="dashed")
     ax.set_xticks(range(len(labels)), labels, fontsize=8)
-    ax.set_ylabel("ratio (median, min-max)")
+    ax.set_yscale("log")
+    ax.set_ylabel("ratio (median, min-max; log scale)")
     ax.set_title("vllm-hs regression benchmarks (dashed: aim)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
