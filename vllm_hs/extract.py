@@ -1616,17 +1616,27 @@ def run(args: argparse.Namespace) -> int:
         with contextlib.suppress(Exception):
             llm.llm_engine.engine_core.shutdown()
     _print_summary(result, started, result.seconds)
+    code = 0
     if result.rejected:
         print(
             f"FAILED validation: {len(result.rejected)} sample(s) were not written "
             f"(see {output / SKIPPED})",
             file=sys.stderr,
         )
-        return 1
-    if result.samples == 0:
+        code = 1
+    elif result.samples == 0:
         print("nothing was written: every conversation was skipped", file=sys.stderr)
-        return 1
-    return 0
+        code = 1
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0":
+        # Every file is written and renamed by now. After the multiprocess
+        # engine has shut down, interpreter teardown aborts in native code
+        # ("terminate called without an active exception", SIGABRT) on these
+        # machines; the root cause is not found yet. Leave without teardown so
+        # the exit status is the job's.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _jsonable(value: dict[str, Any]) -> dict[str, Any]:
