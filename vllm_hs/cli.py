@@ -33,6 +33,9 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "vllm_hs.extract",
     "vllm_hs.bench",
     "vllm_hs.stage",
+    "vllm_hs.refresh",
+    "vllm_hs.lint",
+    "vllm_hs.upstream_tests",
 )
 
 

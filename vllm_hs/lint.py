@@ -1,0 +1,322 @@
+"""`vllm-hs lint`: check a series against vLLM's source release, patch by patch.
+
+For each series (default: every `patches/v<X>/`):
+
+* series: every listed patch exists, no `*.patch` file is left unlisted;
+* header: a `[Tag] Subject` (vLLM's PR title style), a description, `Upstream-Status:`
+  (Pending | Submitted <url> | Accepted <url> | Not-for-upstream [reason]) and
+  `vLLM-Version: <X>`;
+* apply: `git am` onto the sdist of X (no fuzz: git needs exact context), and the
+  patch regenerated from the resulting commit has the same hunk positions (no
+  offset: the patch was made against X, not against something nearby);
+* compile: every Python file the patch adds or changes byte-compiles after it;
+* ruff: after the whole series, `ruff check` and `ruff format` with vLLM's own
+  configuration (the tree's pyproject.toml) report nothing on the lines the series
+  adds. vLLM pins its ruff version in .pre-commit-config.yaml; another ruff version
+  is used with a warning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from vllm_hs.apply import add_series_dir_argument
+from vllm_hs.gitrepo import GitError, Repo
+from vllm_hs.refresh import FORMAT_PATCH_OPTIONS
+from vllm_hs.series import (
+    Patch,
+    VllmHsError,
+    available_versions,
+    default_series_root,
+    load_series,
+    unlisted_patches,
+)
+from vllm_hs.stage import import_release
+
+_STATUS_RE = re.compile(
+    r"^(Pending|(Submitted|Accepted) https?://\S+|Not-for-upstream(\s.+)?)$"
+)
+_SUBJECT_RE = re.compile(r"^Subject: \[PATCH\] (.*)$", re.MULTILINE)
+_TAGGED_SUBJECT_RE = re.compile(r"^\[[A-Za-z0-9][\w./ -]*\] \S")
+_HUNK_RE = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@", re.MULTILINE)
+_PRE_COMMIT_RUFF_RE = re.compile(
+    r"ruff-pre-commit\s*\n\s*rev:\s*v?([0-9][^\s]*)", re.MULTILINE
+)
+
+
+@dataclass(frozen=True)
+class Finding:
+    version: str
+    patch: str | None
+    check: str
+    message: str
+
+    def __str__(self) -> str:
+        where = self.patch or "series"
+        return f"v{self.version} {where}: [{self.check}] {self.message}"
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "lint",
+        help="check the series: headers, clean apply, byte-compile, vLLM's ruff",
+        description=(
+            "Check each series against vLLM's source release (the PyPI sdist): "
+            "header fields, git am with no fuzz and no offset, byte-compilation "
+            "after every patch, and ruff with vLLM's own configuration on the lines "
+            "the series adds. Exits 1 when anything is found."
+        ),
+        epilog="examples:\n  vllm-hs lint\n  vllm-hs lint --version 0.33.0",
+    )
+    parser.add_argument(
+        "--version",
+        action="append",
+        default=None,
+        metavar="X",
+        help="the series to check (repeatable; default: all)",
+    )
+    parser.add_argument(
+        "--sdist",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="a local vllm-<X>.tar.gz (with a single --version) instead of fetching",
+    )
+    parser.add_argument("--no-ruff", action="store_true", help="skip the ruff checks")
+    add_series_dir_argument(parser)
+    parser.set_defaults(handler=run_lint)
+
+
+def run_lint(args: argparse.Namespace) -> int:
+    series_root = args.series_dir or default_series_root()
+    versions = args.version or available_versions(series_root)
+    if args.sdist is not None and len(versions) != 1:
+        raise VllmHsError("--sdist needs exactly one --version")
+    findings: list[Finding] = []
+    for version in versions:
+        found = lint_series(
+            version, series_root=series_root, sdist=args.sdist, ruff=not args.no_ruff
+        )
+        findings += found
+        print(f"v{version}: {'ok' if not found else f'{len(found)} problem(s)'}")
+    for finding in findings:
+        print(finding)
+    return 1 if findings else 0
+
+
+def lint_series(
+    version: str,
+    *,
+    series_root: Path | None = None,
+    sdist: Path | None = None,
+    ruff: bool = True,
+) -> list[Finding]:
+    series_root = series_root or default_series_root()
+    try:
+        series = load_series(series_root, version)
+    except VllmHsError as error:
+        return [Finding(version, None, "series", str(error))]
+    findings = [
+        Finding(version, name, "series", "not listed in the series file")
+        for name in unlisted_patches(series)
+    ]
+    for patch in series.patches:
+        findings += [
+            Finding(version, patch.name, "header", message)
+            for message in header_problems(patch, version)
+        ]
+    with tempfile.TemporaryDirectory(prefix="vllm-hs-lint-") as scratch:
+        repo = Repo.init(Path(scratch) / f"vllm-{version}")
+        base = import_release(repo, version, sdist)
+        repo.git("checkout", "-q", "-b", "lint", base)
+        for patch in series.patches:
+            problems = _apply_and_check(repo, patch)
+            findings += [Finding(version, patch.name, c, m) for c, m in problems]
+            if any(check == "apply" for check, _ in problems):
+                return findings  # later patches build on this one
+        if ruff:
+            findings += [
+                Finding(version, None, "ruff", message)
+                for message in ruff_problems(repo, base)
+            ]
+    return findings
+
+
+def header_problems(patch: Patch, version: str) -> list[str]:
+    text = patch.path.read_text(encoding="utf-8")
+    message = text.split("\n---\n", 1)[0]
+    problems = []
+    subject = _SUBJECT_RE.search(message)
+    if subject is None:
+        problems.append("no 'Subject: [PATCH] ...' line (not git format-patch output)")
+    elif not _TAGGED_SUBJECT_RE.match(subject.group(1)):
+        problems.append(
+            f"subject {subject.group(1)!r} lacks vLLM's '[Tag] ' prefix "
+            "(e.g. [Core], [Frontend])"
+        )
+    body = message.split("\n\n", 1)[1] if "\n\n" in message else ""
+    description = [
+        line
+        for line in body.splitlines()
+        if line.strip() and not line.startswith(("Upstream-Status:", "vLLM-Version:"))
+    ]
+    if not description:
+        problems.append("no description (what the patch does and why)")
+    status = patch.headers.get("Upstream-Status")
+    if status is None:
+        problems.append("no 'Upstream-Status:' field")
+    elif not _STATUS_RE.match(status):
+        problems.append(
+            f"Upstream-Status {status!r} is not Pending, Submitted <url>, "
+            "Accepted <url> or Not-for-upstream"
+        )
+    target = patch.headers.get("vLLM-Version")
+    if target is None:
+        problems.append("no 'vLLM-Version:' field")
+    elif target != version:
+        problems.append(f"vLLM-Version {target} in the series for {version}")
+    return problems
+
+
+def _apply_and_check(repo: Repo, patch: Patch) -> list[tuple[str, str]]:
+    try:
+        repo.git("am", "-q", "--keep-non-patch", str(patch.path))
+    except GitError as error:
+        repo.git("am", "--abort", check=False)
+        return [("apply", f"does not apply: {error.output}")]
+    problems = []
+    regenerated = repo.git("format-patch", "--stdout", *FORMAT_PATCH_OPTIONS, "-1")
+    original = patch.path.read_text(encoding="utf-8")
+    moved = _hunk_positions(original) != _hunk_positions(regenerated)
+    if moved:
+        problems.append(
+            (
+                "apply",
+                "applies only at other line numbers (offset); regenerate it from "
+                "a tree at this release (vllm-hs stage + refresh)",
+            )
+        )
+    changed = repo.git("diff", "--name-only", "--diff-filter=AM", "HEAD~1", "HEAD")
+    for path in changed.split():
+        if path.endswith(".py"):
+            source = (repo.path / path).read_bytes()
+            try:
+                compile(source, path, "exec", dont_inherit=True)
+            except SyntaxError as error:
+                problems.append(("compile", f"{path}:{error.lineno}: {error.msg}"))
+    return problems
+
+
+def _hunk_positions(patch_text: str) -> list[tuple[str, list[tuple[str, ...]]]]:
+    files = re.split(r"^diff --git ", patch_text, flags=re.MULTILINE)[1:]
+    return [(chunk.split("\n", 1)[0], _HUNK_RE.findall(chunk)) for chunk in files]
+
+
+def ruff_command() -> list[str]:
+    ruff = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which(
+        "ruff"
+    )
+    if ruff is None:
+        raise VllmHsError("ruff is not installed (pip install ruff)")
+    return [ruff]
+
+
+def ruff_problems(repo: Repo, base: str) -> list[str]:
+    """ruff check + format findings on lines the series adds, with vLLM's config."""
+    added = added_lines(repo, base)
+    files = sorted(path for path in added if path.endswith(".py"))
+    if not files:
+        return []
+    ruff = ruff_command()
+    _warn_on_ruff_version(repo.path, ruff)
+    config = ["--config", str(repo.path / "pyproject.toml")]
+    check = subprocess.run(
+        [*ruff, "check", "--no-cache", *config, "--output-format", "json", *files],
+        cwd=repo.path,
+        capture_output=True,
+        text=True,
+    )
+    if check.returncode not in (0, 1):
+        raise VllmHsError(f"ruff check failed: {check.stderr.strip()}")
+    problems = []
+    for item in json.loads(check.stdout or "[]"):
+        path = Path(item["filename"]).resolve().relative_to(repo.path.resolve())
+        row = item["location"]["row"]
+        if row in added.get(path.as_posix(), set()):
+            problems.append(f"{path}:{row}: {item['code']} {item['message']}")
+    formatted = subprocess.run(
+        [*ruff, "format", "--no-cache", *config, "--diff", *files],
+        cwd=repo.path,
+        capture_output=True,
+        text=True,
+    )
+    if formatted.returncode not in (0, 1):
+        raise VllmHsError(f"ruff format failed: {formatted.stderr.strip()}")
+    for path, row in _reformatted_lines(formatted.stdout):
+        if row in added.get(path, set()):
+            problems.append(f"{path}:{row}: not formatted as ruff format would")
+    return problems
+
+
+def added_lines(repo: Repo, base: str) -> dict[str, set[int]]:
+    """Per file, the line numbers (in HEAD) of lines the commits since base add."""
+    diff = repo.git("diff", "-U0", "--no-color", "--no-renames", base, "HEAD")
+    result: dict[str, set[int]] = {}
+    current: set[int] | None = None
+    for line in diff.splitlines():
+        if line.startswith("+++ "):
+            path = line[4:].removeprefix("b/")
+            current = None if path == "/dev/null" else result.setdefault(path, set())
+        elif line.startswith("@@") and current is not None:
+            match = _HUNK_RE.match(line)
+            assert match is not None
+            start, count = int(match.group(3)), int(match.group(4) or 1)
+            current.update(range(start, start + count))
+    return result
+
+
+def _reformatted_lines(diff: str) -> list[tuple[str, int]]:
+    """(path, old line number) of every line a `ruff format --diff` would rewrite."""
+    found = []
+    path = None
+    old_line = 0
+    for line in diff.splitlines():
+        if line.startswith("--- "):
+            path = line[4:].split("\t")[0].removeprefix("a/")
+        elif line.startswith("+++ "):
+            continue
+        elif line.startswith("@@"):
+            match = _HUNK_RE.match(line)
+            old_line = int(match.group(1)) if match else 0
+        elif path is not None and line.startswith("-"):
+            found.append((path, old_line))
+            old_line += 1
+        elif line.startswith(" "):
+            old_line += 1
+    return found
+
+
+def _warn_on_ruff_version(tree: Path, ruff: list[str]) -> None:
+    config = tree / ".pre-commit-config.yaml"
+    if not config.is_file():
+        return
+    match = _PRE_COMMIT_RUFF_RE.search(config.read_text(encoding="utf-8"))
+    if match is None:
+        return
+    version = subprocess.run(
+        [*ruff, "--version"], capture_output=True, text=True
+    ).stdout.split()[-1]
+    if version != match.group(1):
+        print(
+            f"vllm-hs lint: warning: vLLM pins ruff {match.group(1)}, this is "
+            f"ruff {version}",
+            file=sys.stderr,
+        )

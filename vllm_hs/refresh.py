@@ -1,0 +1,212 @@
+"""`vllm-hs refresh`: write `patches/v<X>/` back from the commits of a staged branch.
+
+The quilt / gbp-pq loop: `vllm-hs stage`, edit the branch (amend, fixup + autosquash,
+reorder, add commits), `vllm-hs refresh`. Each commit becomes one patch
+(`git format-patch --zero-commit --no-signature --no-numbered`, so an unchanged
+commit gives a byte-identical file). The DEP-3-style header fields stay: a commit
+whose message lost `Upstream-Status:` gets the one its patch had (matched by
+subject), else `Pending`; `vLLM-Version:` is set to X, the release the branch is on.
+The series file keeps its comment lines and revision unless --revision says
+otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from vllm_hs.apply import add_series_dir_argument
+from vllm_hs.gitrepo import Repo
+from vllm_hs.series import (
+    SERIES_FILE,
+    VllmHsError,
+    default_series_root,
+    load_series,
+)
+from vllm_hs.stage import CONFIG_BASE, CONFIG_FROM, CONFIG_VERSION
+
+FORMAT_PATCH_OPTIONS = ("--zero-commit", "--no-signature", "--no-numbered")
+_TRAILER_RE = re.compile(r"^[A-Za-z][A-Za-z0-9-]*: \S")
+_SUBJECT_RE = re.compile(r"^Subject: \[PATCH\] (.*(?:\n .*)*)", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class RefreshOutcome:
+    directory: Path
+    written: tuple[str, ...]
+    changed: tuple[str, ...]
+    removed: tuple[str, ...]
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "refresh",
+        help="regenerate patches/v<X>/ from the commits of a staged branch",
+        description=(
+            "Regenerate the series of the branch checked out in TREE (made by "
+            "'vllm-hs stage') from its commits since the release tag: one patch per "
+            "commit, headers kept, the series file rewritten in commit order."
+        ),
+        epilog="example:\n  vllm-hs refresh --tree vllm-0.33.0",
+    )
+    parser.add_argument(
+        "--tree",
+        type=Path,
+        required=True,
+        metavar="DIR",
+        help="the staged repository (its checked-out branch is read)",
+    )
+    parser.add_argument(
+        "--version",
+        default=None,
+        metavar="X",
+        help="the vLLM release of the branch (default: recorded by vllm-hs stage)",
+    )
+    parser.add_argument(
+        "--base",
+        default=None,
+        metavar="REF",
+        help="the commit the series starts from (default: tag v<X>)",
+    )
+    parser.add_argument(
+        "--revision",
+        type=int,
+        default=None,
+        metavar="N",
+        help="set the series revision (the +hs.N of patched wheels); default: keep "
+        "it, or 1 for a new series",
+    )
+    add_series_dir_argument(parser)
+    parser.set_defaults(handler=run_refresh)
+
+
+def run_refresh(args: argparse.Namespace) -> int:
+    outcome = refresh(
+        args.tree,
+        series_root=args.series_dir,
+        version=args.version,
+        base=args.base,
+        revision=args.revision,
+    )
+    for name in outcome.written:
+        mark = "changed" if name in outcome.changed else "same"
+        print(f"{mark:8} {name}")
+    for name in outcome.removed:
+        print(f"removed  {name}")
+    print(f"wrote {len(outcome.written)} patches and the series to {outcome.directory}")
+    return 0
+
+
+def refresh(
+    tree: Path,
+    *,
+    series_root: Path | None = None,
+    version: str | None = None,
+    base: str | None = None,
+    revision: int | None = None,
+) -> RefreshOutcome:
+    repo = Repo(tree.resolve())
+    if not repo.is_repo():
+        raise VllmHsError(f"{tree} is not a git repository")
+    version = version or repo.config_get(CONFIG_VERSION)
+    if version is None:
+        raise VllmHsError(f"{tree} was not made by vllm-hs stage; pass --version")
+    base = base or repo.config_get(CONFIG_BASE) or f"v{version}"
+    if repo.rev(base) is None:
+        raise VllmHsError(f"{tree} has no {base}")
+    if (repo.path / ".git" / "rebase-merge").exists() or (
+        repo.path / ".git" / "rebase-apply"
+    ).exists():
+        raise VllmHsError(f"{tree} is in the middle of a rebase or am; finish it first")
+    if not repo.is_clean():
+        raise VllmHsError(f"{tree} has uncommitted changes; commit them first")
+    if repo.git("rev-list", "--merges", f"{base}..HEAD").strip():
+        raise VllmHsError(f"{base}..HEAD holds merge commits; a series must be linear")
+    if not repo.git("rev-list", f"{base}..HEAD").strip():
+        raise VllmHsError(f"HEAD of {tree} has no commits on top of {base}")
+
+    series_root = series_root or default_series_root()
+    directory = series_root / f"v{version}"
+    old_patches: dict[str, str] = {}
+    comments: list[str] = []
+    old_revision: int | None = None
+    # The series being replaced: X's own, else (a bump) the one the branch came from.
+    origin = version
+    if not (directory / SERIES_FILE).is_file():
+        origin = repo.config_get(CONFIG_FROM) or version
+    if (series_root / f"v{origin}" / SERIES_FILE).is_file():
+        old = load_series(series_root, origin)
+        old_revision = old.revision if origin == version else None
+        old_patches = {p.name: p.path.read_text(encoding="utf-8") for p in old.patches}
+        comments = [
+            line
+            for line in (old.directory / SERIES_FILE).read_text().splitlines()
+            if line.startswith("#")
+        ]
+    old_status = {
+        _subject(text): _header(text, "Upstream-Status")
+        for text in old_patches.values()
+    }
+
+    with tempfile.TemporaryDirectory(prefix="vllm-hs-refresh-") as scratch:
+        span = f"{base}..HEAD"
+        repo.git("format-patch", "-q", *FORMAT_PATCH_OPTIONS, "-o", scratch, span)
+        generated = sorted(Path(scratch).glob("*.patch"))
+        texts = {
+            path.name: with_headers(
+                path.read_text(encoding="utf-8"), version, old_status
+            )
+            for path in generated
+        }
+
+    directory.mkdir(parents=True, exist_ok=True)
+    removed = []
+    for stale in sorted(directory.glob("*.patch")):
+        if stale.name not in texts:
+            stale.unlink()
+            removed.append(stale.name)
+    changed = tuple(name for name in texts if old_patches.get(name) != texts[name])
+    for name, text in texts.items():
+        (directory / name).write_text(text, encoding="utf-8")
+
+    revision = revision or old_revision or 1
+    first = f"# vllm-hs series for vLLM {version}, revision {revision}"
+    lines = [first, *comments[1:], *texts]
+    (directory / SERIES_FILE).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    load_series(series_root, version)  # what was written must read back
+    return RefreshOutcome(directory, tuple(texts), changed, tuple(removed))
+
+
+def with_headers(text: str, version: str, old_status: dict[str, str | None]) -> str:
+    """The patch with `Upstream-Status:` kept (or Pending) and `vLLM-Version: X`."""
+    message, separator, rest = text.partition("\n---\n")
+    if not separator:
+        raise VllmHsError("format-patch output without a '---' separator")
+    status = _header(message, "Upstream-Status") or old_status.get(_subject(text))
+    lines = [
+        line
+        for line in message.splitlines()
+        if not line.startswith(("Upstream-Status:", "vLLM-Version:"))
+    ]
+    while lines and not lines[-1].strip():
+        lines.pop()
+    has_body = "" in lines and lines.index("") < len(lines) - 1
+    if not has_body or not _TRAILER_RE.match(lines[-1]):
+        lines.append("")  # trailers form the last paragraph
+    lines += [f"Upstream-Status: {status or 'Pending'}", f"vLLM-Version: {version}"]
+    message = "\n".join(lines)
+    return message + separator + rest
+
+
+def _subject(text: str) -> str:
+    match = _SUBJECT_RE.search(text)
+    return " ".join(match.group(1).split()) if match else ""
+
+
+def _header(text: str, field: str) -> str | None:
+    body = text.split("\n---\n", 1)[0]
+    match = re.search(rf"^{re.escape(field)}:[ \t]*(.*)$", body, re.MULTILINE)
+    return match.group(1).strip() if match else None

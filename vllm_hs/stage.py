@@ -1,0 +1,302 @@
+"""`vllm-hs stage`: a vLLM source release as a git repository, the series as commits.
+
+The result is a branch `hidden-states-v<X>` on top of the tag `v<X>`, one commit per
+patch (`git am`, so each commit message is the patch header), ready to push as a
+pull request. The source is the PyPI sdist of vLLM X (imported as one commit, tagged
+`v<X>`) or a local git checkout of vLLM that has the tag `v<X>`.
+
+With `--from V` the series of vLLM V is carried onto X instead (a release bump): V
+is imported too, X is committed on top of it, and the branch is rebased from `v<V>`
+onto `v<X>` with git's three-way merge. A conflict leaves the repository in the
+middle of the rebase; resolve it, `git rebase --continue`, then `vllm-hs refresh`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from vllm_hs.apply import add_series_dir_argument
+from vllm_hs.gitrepo import GitError, Repo
+from vllm_hs.sdist import fetch_sdist, unpack_sdist
+from vllm_hs.series import (
+    Series,
+    VllmHsError,
+    default_series_root,
+    load_series,
+    sha256_file,
+)
+
+CONFIG_VERSION = "vllm-hs.version"
+CONFIG_BASE = "vllm-hs.base"
+CONFIG_BRANCH = "vllm-hs.branch"
+# The release whose series the branch was made from (differs from X in a bump).
+CONFIG_FROM = "vllm-hs.from"
+
+
+@dataclass(frozen=True)
+class FileChange:
+    path: str
+    added: int
+    removed: int
+    new: bool
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """How much of a change lands in upstream's existing files versus new files."""
+
+    changes: tuple[FileChange, ...]
+
+    @property
+    def existing(self) -> list[FileChange]:
+        return [change for change in self.changes if not change.new]
+
+    @property
+    def new(self) -> list[FileChange]:
+        return [change for change in self.changes if change.new]
+
+    def describe(self) -> str:
+        existing, new = self.existing, self.new
+        added = sum(change.added for change in existing)
+        removed = sum(change.removed for change in existing)
+        new_lines = sum(change.added for change in new)
+        return (
+            f"footprint: {len(existing)} existing upstream files changed "
+            f"(+{added} -{removed} lines); {len(new)} new files (+{new_lines} lines)"
+        )
+
+
+@dataclass(frozen=True)
+class StagedTree:
+    repo: Repo
+    version: str
+    base: str
+    branch: str
+    series: Series
+    # git's report when the bump's rebase stopped on a conflict, else None.
+    conflict: str | None = None
+
+    def footprint(self) -> Footprint:
+        return footprint(self.repo, self.base, self.branch)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "stage",
+        help="stage the series on vLLM's source release as a git branch (for a PR)",
+        description=(
+            "Make vLLM's source release X a git repository at that release (tag "
+            "v<X>) and apply the series as one commit per patch on a new branch "
+            "hidden-states-v<X>, ready to push as a pull request. Prints the "
+            "diffstat and the footprint: lines changed in existing upstream files "
+            "against lines in new files."
+        ),
+        epilog=(
+            "examples:\n"
+            "  vllm-hs stage --version 0.32.0                  # sdist from PyPI\n"
+            "  vllm-hs stage --version 0.33.0 --source ~/src/vllm\n"
+            "  vllm-hs stage --version 0.34.0 --from 0.33.0    # release bump\n"
+            "then, after editing commits on the branch:\n"
+            "  vllm-hs refresh --tree vllm-0.32.0"
+        ),
+    )
+    parser.add_argument(
+        "--version",
+        required=True,
+        metavar="X",
+        help="the vLLM release to stage on, e.g. 0.33.0",
+    )
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument(
+        "--source",
+        type=Path,
+        metavar="PATH",
+        help="a local git checkout of vLLM that has the tag v<X>; the branch is "
+        "made there (its work tree must be clean). Default: the PyPI sdist",
+    )
+    source.add_argument(
+        "--sdist",
+        type=Path,
+        metavar="FILE",
+        help="a local vllm-<X>.tar.gz instead of downloading it",
+    )
+    parser.add_argument(
+        "--dest",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="where to create the repository from the sdist (default: ./vllm-<X>); "
+        "must not exist",
+    )
+    parser.add_argument(
+        "--from",
+        dest="series_version",
+        default=None,
+        metavar="V",
+        help="carry the series of vLLM V onto X (a release bump) instead of X's own",
+    )
+    parser.add_argument(
+        "--branch",
+        default=None,
+        metavar="NAME",
+        help="branch name (default: hidden-states-v<X>)",
+    )
+    add_series_dir_argument(parser)
+    parser.set_defaults(handler=run_stage)
+
+
+def run_stage(args: argparse.Namespace) -> int:
+    staged = stage(
+        args.version,
+        dest=args.dest,
+        source=args.source,
+        sdist=args.sdist,
+        series_root=args.series_dir,
+        series_version=args.series_version,
+        branch=args.branch,
+    )
+    where = staged.repo.path
+    if staged.conflict is not None:
+        print(staged.conflict)
+        print(
+            f"\nThe rebase of series {staged.series.name} onto {staged.base} stopped "
+            f"on a conflict in {where}. Resolve it, 'git add' the files, "
+            "'git rebase --continue' (repeat as needed), then run\n"
+            f"  vllm-hs refresh --tree {where}\n"
+            f"to write patches/v{staged.version}/."
+        )
+        return 1
+    print(staged.repo.git("diff", "--stat=100", staged.base, staged.branch).rstrip())
+    print(staged.footprint().describe())
+    print(
+        f"branch {staged.branch} in {where}: {len(staged.series.patches)} commits "
+        f"on {staged.base} (series {staged.series.name} revision "
+        f"{staged.series.revision})"
+    )
+    return 0
+
+
+def stage(
+    version: str,
+    *,
+    dest: Path | None = None,
+    source: Path | None = None,
+    sdist: Path | None = None,
+    series_root: Path | None = None,
+    series_version: str | None = None,
+    branch: str | None = None,
+) -> StagedTree:
+    series_version = series_version or version
+    series = load_series(series_root or default_series_root(), series_version)
+    branch = branch or f"hidden-states-v{version}"
+    base, series_base = f"v{version}", f"v{series_version}"
+
+    if source is not None:
+        repo = Repo(source.resolve())
+        if not repo.is_repo():
+            raise VllmHsError(f"{source} is not a git checkout")
+        if not repo.is_clean():
+            raise VllmHsError(f"{source} has uncommitted changes; commit or stash")
+        for tag in {base, series_base}:
+            if repo.rev(tag) is None:
+                raise VllmHsError(f"{source} has no tag {tag} (git fetch --tags?)")
+    else:
+        dest = (dest or Path(f"vllm-{version}")).resolve()
+        if dest.exists():
+            raise VllmHsError(f"{dest} already exists; remove it or pass --dest")
+        repo = Repo.init(dest)
+        if series_version != version:
+            import_release(repo, series_version)
+        parent = series_base if series_base != base else None
+        import_release(repo, version, sdist, parent=parent)
+
+    if repo.rev(f"refs/heads/{branch}") is not None:
+        raise VllmHsError(f"{repo.path} already has a branch {branch}; pass --branch")
+    repo.git("checkout", "-q", "-b", branch, series_base)
+    apply_commits(repo, series)
+    repo.config_set(CONFIG_VERSION, version)
+    repo.config_set(CONFIG_BASE, base)
+    repo.config_set(CONFIG_BRANCH, branch)
+    repo.config_set(CONFIG_FROM, series_version)
+    staged = StagedTree(repo, version, base, branch, series)
+    if series_base == base:
+        return staged
+    try:
+        repo.git("rebase", "-q", "--onto", base, series_base, branch)
+    except GitError as error:
+        status = repo.git("status", "--short", check=False)
+        conflicted = [line for line in status.splitlines() if line[:2] in _UNMERGED]
+        return StagedTree(
+            repo,
+            version,
+            base,
+            branch,
+            series,
+            conflict=error.output + "\n\nconflicted files:\n" + "\n".join(conflicted),
+        )
+    return staged
+
+
+_UNMERGED = {"DD", "AU", "UD", "UA", "DU", "AA", "UU"}
+
+
+def import_release(
+    repo: Repo, version: str, sdist: Path | None = None, parent: str | None = None
+) -> str:
+    """Commit vLLM `version`'s sdist (on `parent`, else as a root) and tag it v<X>."""
+    tag = f"v{version}"
+    archive = sdist if sdist is not None else fetch_sdist(version)
+    if parent is not None:
+        repo.git("checkout", "-q", "--detach", parent)
+    for entry in repo.path.iterdir():
+        if entry.name == ".git":
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+    with tempfile.TemporaryDirectory(dir=repo.path.parent) as scratch:
+        unpacked = unpack_sdist(archive, Path(scratch) / "src")
+        for entry in unpacked.iterdir():
+            entry.rename(repo.path / entry.name)
+    repo.commit_all(
+        f"vLLM {version}\n\nThe source release {archive.name}, "
+        f"sha256 {sha256_file(archive)}, imported by vllm-hs stage."
+    )
+    repo.git("tag", tag)
+    return tag
+
+
+def apply_commits(repo: Repo, series: Series) -> None:
+    """`git am` every patch of the series, in order, onto the checked-out branch."""
+    for patch in series.patches:
+        try:
+            # --keep-non-patch: a "[Core] ..." subject keeps its vLLM-style tag.
+            repo.git("am", "-q", "--keep-non-patch", str(patch.path))
+        except GitError as error:
+            repo.git("am", "--abort", check=False)
+            raise VllmHsError(
+                f"{patch.name} does not apply to {repo.path}:\n{error.output}"
+            ) from None
+
+
+def footprint(repo: Repo, base: str, head: str) -> Footprint:
+    added_paths = set(
+        repo.git("diff", "--name-only", "--diff-filter=A", base, head).split()
+    )
+    changes = []
+    for line in repo.git("diff", "--numstat", base, head).splitlines():
+        added, removed, path = line.split("\t", 2)
+        changes.append(
+            FileChange(
+                path,
+                int(added) if added != "-" else 0,
+                int(removed) if removed != "-" else 0,
+                path in added_paths,
+            )
+        )
+    return Footprint(tuple(changes))
