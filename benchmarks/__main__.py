@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -54,9 +55,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     machine = machine_facts()
     for name in args.suites.split(","):
         print(f"== {name} ({release}, model {settings.model})", flush=True)
+        load_before = os.getloadavg()
         result = SUITES[name](settings)
         if result is None:
             continue
+        result.load_average = {"before": load_before, "after": os.getloadavg()}
         result.machine = machine
         result.versions = versions
         path = write_result(result, release, args.out)

@@ -41,10 +41,14 @@ class SuiteResult:
     settings: dict[str, Any]
     rounds: list[dict[str, Any]]
     summary: Summary
+    memory: dict[str, Any] = field(default_factory=dict)
+    """Peak RSS per process role and side (memory_summary), where measured."""
     machine: dict[str, Any] = field(default_factory=dict)
     versions: dict[str, Any] = field(default_factory=dict)
     started: str = ""
     seconds: float = 0.0
+    load_average: dict[str, Any] = field(default_factory=dict)
+    """1/5/15-minute load averages before and after: other work on the machine."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -82,6 +86,39 @@ def alternate(
         results.append({"round": r, "A": a, "B": b, "ratio": ratio(a, b)})
         print(f"  round {r}: ratio {results[-1]['ratio']:.4f}", flush=True)
     return results
+
+
+MEMORY_KEYS = {
+    "frontend": "peak_rss_frontend",
+    "engine_core": "peak_rss_engine_core",
+    "workers": "peak_rss_workers",
+    "engine": "peak_rss_engine",
+    "total": "peak_rss_total",
+}
+"""Peak-RSS roles of a timing record (benchmarks.workload.PeakRss): the frontend
+(the caller's process), vLLM's engine-core process, its executor worker(s) (the
+multiprocess executor runs the model in a child of the engine core), the engine
+side as a whole (sampled simultaneous sum of every child) and everything."""
+
+
+def memory_summary(sides: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Per side and role: peak RSS in MiB, median [min, max] over the side's
+    measured batches (each batch's peak is the process's high-water mark over
+    that batch)."""
+    out: dict[str, Any] = {}
+    for side, runs in sides.items():
+        roles = {}
+        for role, key in MEMORY_KEYS.items():
+            values = [r[key] / 2**20 for r in runs if r.get(key)]
+            if values:
+                roles[role] = {
+                    "median": statistics.median(values),
+                    "min": min(values),
+                    "max": max(values),
+                }
+        methods = {r.get("peak_rss_method", "sampled") for r in runs}
+        out[side] = {"mib": roles, "method": "+".join(sorted(methods)), "n": len(runs)}
+    return out
 
 
 def machine_facts() -> dict[str, Any]:

@@ -17,7 +17,9 @@ default multiprocess mode); ratios extract/plain and states/plain are reported a
 median [min, max]. Then HF transformers (eager attention, same dtype, same
 layers, `output_hidden_states=True` plus a hook for the pre-norm last layer)
 runs the same token ids at batch 1 and batched with right padding; the result
-compares its tokens/s with extract's. Writes
+compares its tokens/s with extract's. Every side of every round records the
+peak resident memory of the frontend (this process), the engine core and its
+worker separately (benchmarks.workload.PeakRss). Writes
 benchmarks/results/<vllm release>/extraction[-large].json.
 """
 
@@ -42,10 +44,12 @@ from benchmarks.common import (  # noqa: E402
     RESULTS_ROOT,
     installed_versions,
     machine_facts,
+    memory_summary,
     now,
     vllm_release,
 )
 from benchmarks.suites import MODELS  # noqa: E402  (build_tiny_model sizes)
+from benchmarks.workload import PeakRss  # noqa: E402
 
 AIM = 0.95
 
@@ -254,7 +258,11 @@ def main(argv: list[str] | None = None) -> int:
         rounds = []
         for r in range(args.rounds):
             order = list(sides)[r % 3 :] + list(sides)[: r % 3]
-            measured = {name: sides[name]() for name in order}
+            measured = {}
+            for name in order:
+                with PeakRss() as rss:
+                    measured[name] = sides[name]()
+                measured[name].update(rss.fields())
             base = measured["plain"]["tokens_per_s"]
             record = {
                 "round": r,
@@ -304,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         "hf": hf,
         "bytes_per_token": rounds[0]["extract"]["bytes"] / tokens,
     }
+    memory = memory_summary({name: [r[name] for r in rounds] for name in sides})
     versions = installed_versions()
     result = {
         "suite": "extraction" if args.model == "tiny" else f"extraction-{args.model}",
@@ -321,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
             **_stats(ratios),
         },
         "comparisons": comparisons,
+        "memory": memory,
         "machine": machine_facts(),
         "versions": versions,
         "started": now(),

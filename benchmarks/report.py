@@ -41,7 +41,55 @@ def markdown(results: list[tuple[str, dict[str, Any]]]) -> str:
             f"{data.get('settings', {}).get('model', '')} | "
             f"{machine.get('cpu', '')} x{machine.get('cores', '')} |"
         )
+    lines += memory_table(results)
     return "\n".join(lines) + "\n"
+
+
+def memory_table(results: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    """Peak resident memory per process, per side of each suite that records it."""
+    rows = []
+    for release, data in results:
+        for side, entry in (data.get("memory") or {}).items():
+            mib = entry.get("mib", {})
+
+            def cell(role: str, mib=mib) -> str:
+                m = mib.get(role)
+                return (
+                    ""
+                    if not m
+                    else f"{m['median']:.0f} [{m['min']:.0f}, {m['max']:.0f}]"
+                )
+
+            rows.append(
+                f"| {release} | {data['suite']} | {side} | {cell('frontend')} | "
+                f"{cell('engine_core')} | {cell('workers')} | {cell('engine')} | "
+                f"{cell('total')} |"
+            )
+    if not rows:
+        return []
+    return [
+        "",
+        "## Peak resident memory per process",
+        "",
+        *MEMORY_NOTE,
+        "",
+        "| release | suite | side | frontend | engine core | worker | engine side "
+        "| total |",
+        "|---|---|---|---|---|---|---|---|",
+        *rows,
+    ]
+
+
+MEMORY_NOTE = [
+    "MiB, median [min, max] over the measured batches of each side. Per process,",
+    "the kernel's high-water mark (VmHWM, reset before each batch): frontend, the",
+    "caller's process (LLM, request outputs, file writes of the channel side);",
+    "engine core, vLLM's EngineCore process (scheduler, hidden-state rows kept",
+    "per request); worker, the multiprocess executor's worker (model, KV cache,",
+    "capture; the native connector's writes). Engine side and total: sampled",
+    "simultaneous sums (all children; everything). RSS counts shared pages in",
+    "every process that maps them.",
+]
 
 
 def chart(results: list[tuple[str, dict[str, Any]]], path: Path) -> bool:

@@ -8,8 +8,11 @@
 - transport: hidden-state bytes per second delivered to the caller by the
   default multiprocess engine, against this machine's memory-copy bandwidth
   measured in the same process.
-- native: prefill-only extraction to disk, the channel against vLLM's own
-  extract_hidden_states connector.
+- native, native_omp_all, native_default: prefill-only extraction to disk, the
+  channel against vLLM's own extract_hidden_states connector; the CPU threads
+  the same on both sides (one core reserved, or none), or each engine's default
+  (which differ: see NATIVE_BINDINGS).
+Every workload records per-process peak memory (frontend, engine core, worker).
 Extraction against plain prefill and HF transformers is `benchmarks/extraction.py`
 (`python -m benchmarks.extraction`); the response encoding is
 `benchmarks/response_encoding.py`.
@@ -26,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import SuiteResult, alternate, now, summarize
+from benchmarks.common import SuiteResult, alternate, memory_summary, now, summarize
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -102,7 +105,12 @@ def engine_kwargs(settings: Settings, layers: list[Any] | None) -> dict[str, Any
 
 
 def run_workload(python: str, spec: dict[str, Any]) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "HF_HUB_OFFLINE": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO_ROOT),
+        "HF_HUB_OFFLINE": "1",
+        **spec.get("env", {}),
+    }
     proc = subprocess.run(
         [python, "-m", "benchmarks.workload", json.dumps(spec)],
         cwd=REPO_ROOT,
@@ -136,15 +144,25 @@ def _spec(
     return spec
 
 
-def _result(name: str, description: str, settings: Settings, rounds, summary, t0):
+def _result(
+    name: str,
+    description: str,
+    settings: Settings,
+    rounds,
+    summary,
+    t0,
+    memory: dict[str, list[dict[str, Any]]] | None = None,
+    **extra_settings: Any,
+):
     from dataclasses import asdict
 
     return SuiteResult(
         suite=name,
         description=description,
-        settings=asdict(settings),
+        settings={**asdict(settings), **extra_settings},
         rounds=rounds,
         summary=summary,
+        memory=memory_summary(memory) if memory else {},
         started=now(),
         seconds=time.perf_counter() - t0,
     )
@@ -200,6 +218,10 @@ def _overhead(settings: Settings, name: str, with_config: bool) -> SuiteResult |
         rounds,
         summary,
         t0,
+        memory={
+            "unpatched": [t for r in rounds for t in r["A"]["runs"]],
+            "patched": [t for r in rounds for t in r["B"]["runs"]],
+        },
     )
 
 
@@ -255,11 +277,13 @@ def capture(settings: Settings) -> SuiteResult:
     return _result(
         "capture",
         "generation with hidden states against without, one patched engine, "
-        "batches alternating; rounds record peak RSS (frontend and total)",
+        "batches alternating; rounds record peak RSS per process (frontend, "
+        "engine core, worker)",
         settings,
         rounds,
         summary,
         t0,
+        memory={"without states": out["plain"], "with states": out["states"]},
     )
 
 
@@ -306,6 +330,7 @@ def transport(settings: Settings) -> SuiteResult:
         rounds,
         summary,
         t0,
+        memory={"prefill with all layers": out["timings"]["prefill"]},
     )
 
 
@@ -322,23 +347,81 @@ def _prefill_spec(settings: Settings, path: str, vocab: int, **kw: Any) -> dict:
     )
 
 
-def native(settings: Settings) -> SuiteResult:
-    """Prefill-only extraction to disk: the vllm-hs channel against vLLM's own
-    extract_hidden_states + ExampleHiddenStatesConnector (made to run on CPU by
-    patch 0008), same layers, separate engines run alternately."""
+# How the CPU engines' OpenMP threads are placed (vLLM's CPU backend binds its
+# worker's threads to cores; ignored on GPUs). By default vLLM reserves one core
+# for the frontend and scheduler, and ONE MORE when a KV connector is configured
+# (it assumes a NIXL-style transfer thread). On a machine with few cores that
+# second reservation cannot be met and vLLM then reserves NONE, so the native
+# engine (which needs a KV connector) computes on every core while the channel
+# engine computes on all but one: on 2 cores, 2 OpenMP threads against 1.
+# VLLM_CPU_NUM_OF_RESERVED_CPU sets the reservation for both.
+NATIVE_BINDINGS: dict[str, tuple[dict[str, str], str]] = {
+    "native": (
+        {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"},
+        "same CPU threads on both sides: one core reserved for the frontend "
+        "and scheduler, OpenMP on the others (vLLM's default for an engine "
+        "without a KV connector)",
+    ),
+    "native_omp_all": (
+        {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
+        "same CPU threads on both sides: OpenMP on every core, none reserved",
+    ),
+    "native_default": (
+        {},
+        "each engine with vLLM's default CPU binding, which differs: the native "
+        "engine's KV connector asks for a second reserved core; with too few "
+        "cores vLLM reserves none, so on 2 cores native computes on 2 OpenMP "
+        "threads and the channel engine on 1 (shown for the record: not a like "
+        "for like comparison)",
+    ),
+}
+
+
+def _native(settings: Settings, name: str) -> SuiteResult:
+    """Prefill-only extraction to disk (max_tokens=1, states of every prompt
+    token in `hs_{i}.safetensors` with hidden_states [T, K, H] and token_ids),
+    the vllm-hs channel against vLLM's own extract_hidden_states +
+    ExampleHiddenStatesConnector (made to run on CPU by patch 0008), same
+    model, layers, dtype and engine settings; separate engine processes run
+    alternately, each timing a full-size warm-up and then 3 batches (median).
+
+    What each side does per batch. Channel: one forward with the layers
+    captured in the model runner, the rows sent to the frontend in the engine
+    outputs, then the caller saves one file per request. Native: one forward
+    (aux layers kept), the sampled token, then the extract_hidden_states
+    'drafter' copies the rows into a KV-cache-like buffer (cache-only
+    attention), the connector gathers each finished request's rows from it on
+    a later engine step and a thread in the engine's worker saves the file;
+    the caller waits for each file's lock. Neither side computes fewer layers
+    or skips the LM head (both compute logits for each request's last position
+    only). Rounds also compare the plain prefill of the two engines (the
+    generate call alone; on the native engine it includes the copy into the
+    buffer, which cannot be switched off).
+    """
     t0 = time.perf_counter()
+    env, binding = NATIVE_BINDINGS[name]
     path, sizes = model_dir(settings)
     vocab = sizes.get("vocab_size", 1024)
     layers = _four_layers(sizes)
+    per_process = 3
     channel = _prefill_spec(
         settings,
         path,
         vocab,
-        rounds=1,
-        variants={"extract": {"prompt": True, "output": False}},
+        rounds=per_process,
+        variants={"plain": None, "extract": {"prompt": True, "output": False}},
         engine=engine_kwargs(settings, layers),
+        env=env,
     )
-    native_spec = _prefill_spec(settings, path, vocab, rounds=1, native=True)
+    native_spec = _prefill_spec(
+        settings,
+        path,
+        vocab,
+        rounds=per_process,
+        variants={"extract": None},
+        native=True,
+        env=env,
+    )
     native_spec["engine"] = {
         **engine_kwargs(settings, None),
         "speculative_config": {
@@ -357,22 +440,87 @@ def native(settings: Settings) -> SuiteResult:
         },
     }
 
-    def side(spec: dict[str, Any], variant: str) -> dict[str, Any]:
-        return run_workload(sys.executable, spec)["timings"][variant][0]
+    def median_of(runs: list[dict[str, Any]], key: str) -> float:
+        import statistics
+
+        return statistics.median(t[key] for t in runs)
+
+    def side(spec: dict[str, Any]) -> dict[str, Any]:
+        out = run_workload(sys.executable, spec)
+        record: dict[str, Any] = {"timings": out["timings"], "engine": out["engine"]}
+        for variant, runs in out["timings"].items():
+            record[f"{variant}_tokens_per_s"] = median_of(runs, "tokens_per_s")
+            record[f"{variant}_generate_tokens_per_s"] = median_of(
+                runs, "generate_tokens_per_s"
+            )
+        return record
 
     rounds = alternate(
         settings.rounds,
-        lambda: side(native_spec, "plain"),
-        lambda: side(channel, "extract"),
-        lambda a, b: b["tokens_per_s"] / a["tokens_per_s"],
+        lambda: side(native_spec),
+        lambda: side(channel),
+        lambda a, b: b["extract_tokens_per_s"] / a["extract_tokens_per_s"],
     )
+    for r in rounds:
+        a, b = r["A"], r["B"]
+        # Plain prefill on the channel engine against the native engine's
+        # generate call (its forward plus the in-engine copy of the rows).
+        r["prefill_ratio"] = (
+            b["plain_generate_tokens_per_s"] / a["extract_generate_tokens_per_s"]
+        )
+        r["channel_extract_over_plain"] = (
+            b["extract_tokens_per_s"] / b["plain_generate_tokens_per_s"]
+        )
+        print(
+            f"    prefill channel/native {r['prefill_ratio']:.3f}, channel "
+            f"extract/plain {r['channel_extract_over_plain']:.3f}; OpenMP threads "
+            f"native {_omp(a['engine'])} channel {_omp(b['engine'])}",
+            flush=True,
+        )
     summary = summarize(
         [r["ratio"] for r in rounds],
-        "vllm-hs extraction to disk / vLLM native extract_hidden_states (tokens/s)",
+        "vllm-hs extraction to disk / vLLM native extract_hidden_states "
+        f"(tokens/s; {'default' if not env else 'same'} CPU threads)",
         True,
-        1.0,
+        None if name == "native_default" else 1.0,
     )
-    return _result("native", native.__doc__ or "", settings, rounds, summary, t0)
+    return _result(
+        name,
+        (_native.__doc__ or "") + "\n\nCPU threads: " + binding,
+        settings,
+        rounds,
+        summary,
+        t0,
+        memory={
+            "native": [t for r in rounds for t in r["A"]["timings"]["extract"]],
+            "channel extract": [
+                t for r in rounds for t in r["B"]["timings"]["extract"]
+            ],
+        },
+        cpu_binding_env=env,
+        batches_per_process=per_process,
+        layers=layers,
+    )
+
+
+def _omp(engine: dict[str, Any]) -> str:
+    """The worker's CPU list, e.g. '[0]', from a workload's engine facts."""
+    for p in engine.get("processes", []):
+        if p["name"].startswith("VLLM::Worker"):
+            return str(p["cpus"])
+    return "?"
+
+
+def native(settings: Settings) -> SuiteResult:
+    return _native(settings, "native")
+
+
+def native_omp_all(settings: Settings) -> SuiteResult:
+    return _native(settings, "native_omp_all")
+
+
+def native_default(settings: Settings) -> SuiteResult:
+    return _native(settings, "native_default")
 
 
 SUITES = {
@@ -381,4 +529,6 @@ SUITES = {
     "capture": capture,
     "transport": transport,
     "native": native,
+    "native_omp_all": native_omp_all,
+    "native_default": native_default,
 }

@@ -6,7 +6,10 @@ a batch alternately, print one JSON line of timings.
 Runs under any vLLM install, patched or not (variants that ask for hidden states
 need the patched one). Spec keys: model, engine (LLM kwargs), prompts (count),
 prompt_len, max_tokens, rounds, variants ({name: hidden_states or null}),
-mode ("mp" or "inproc"), memcpy_mib (0 to skip).
+mode ("mp" or "inproc"), memcpy_mib (0 to skip), warmup ("full" batch, the
+default, or "short"), write_dir and native (write each request's states to disk;
+see write_outputs). Each timing records per-process peak memory (PeakRss); the
+result records the engine's effective settings and CPU threads (engine_facts).
 """
 
 from __future__ import annotations
@@ -18,40 +21,190 @@ import threading
 import time
 from typing import Any
 
+ROLES = {"VLLM::EngineCore": "engine_core", "VLLM::Worker": "workers"}
+
+
+def _role(name: str) -> str:
+    for prefix, role in ROLES.items():
+        if name.startswith(prefix):
+            return role
+    return "other"
+
+
+def _status_kib(pid: int, field: str) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
 
 class PeakRss:
-    """Samples the resident memory of this process and its children."""
+    """Peak resident memory of this process (the frontend) and of each of its
+    descendants (vLLM's engine core and, with the multiprocess executor, its
+    worker), separately, over a block.
 
-    def __init__(self, interval: float = 0.05) -> None:
+    Per process the figure is the kernel's high-water mark (`VmHWM`, reset at
+    entry by writing 5 to /proc/PID/clear_refs), so no short peak is missed;
+    where that cannot be reset it falls back to sampling every `interval`
+    seconds. The simultaneous totals (frontend + engine side, and the engine
+    side alone) are sampled. RSS counts shared pages (libraries, shared-memory
+    queues) in every process that maps them, so sums overstate the machine's use.
+    """
+
+    def __init__(self, interval: float = 0.02) -> None:
         import psutil
 
+        self._psutil = psutil
         self._proc = psutil.Process()
         self.interval = interval
         self.peak_total = 0
+        self.peak_engine = 0
         self.peak_self = 0
+        self.by_process: dict[int, dict[str, Any]] = {}
+        self.method = "VmHWM"
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
+    def _tree(self) -> list[Any]:
+        try:
+            return [self._proc, *self._proc.children(recursive=True)]
+        except self._psutil.Error:
+            return [self._proc]
+
     def _run(self) -> None:
         while not self._stop.is_set():
-            try:
-                own = self._proc.memory_info().rss
-                total = own + sum(
-                    c.memory_info().rss for c in self._proc.children(recursive=True)
-                )
-            except Exception:
-                continue
-            self.peak_self = max(self.peak_self, own)
+            total = engine = 0
+            for p in self._tree():
+                try:
+                    rss = p.memory_info().rss
+                    entry = self.by_process.setdefault(
+                        p.pid, {"name": p.name(), "sampled": 0, "hwm_reset": False}
+                    )
+                except self._psutil.Error:
+                    continue
+                entry["sampled"] = max(entry["sampled"], rss)
+                total += rss
+                if p.pid != self._proc.pid:
+                    engine += rss
             self.peak_total = max(self.peak_total, total)
+            self.peak_engine = max(self.peak_engine, engine)
             self._stop.wait(self.interval)
 
     def __enter__(self) -> PeakRss:
+        for p in self._tree():
+            try:
+                with open(f"/proc/{p.pid}/clear_refs", "w") as f:
+                    f.write("5")  # reset VmHWM to the current RSS
+                reset = True
+            except OSError:
+                reset = False
+            try:
+                self.by_process[p.pid] = {
+                    "name": p.name(),
+                    "sampled": 0,
+                    "hwm_reset": reset,
+                }
+            except self._psutil.Error:
+                pass
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+        for pid, entry in self.by_process.items():
+            hwm = _status_kib(pid, "VmHWM") if entry["hwm_reset"] else None
+            entry["peak"] = (
+                entry["sampled"] if hwm is None else max(hwm * 1024, entry["sampled"])
+            )
+            if hwm is None:
+                self.method = "sampled"
+        own = self.by_process.get(self._proc.pid)
+        self.peak_self = own["peak"] if own else 0
+
+    def fields(self) -> dict[str, Any]:
+        """Flat keys of a timing record: per-role peaks (sum of the per-process
+        peaks of that role), the sampled simultaneous totals, and the method."""
+        roles: dict[str, int] = {}
+        for pid, entry in self.by_process.items():
+            role = "frontend" if pid == self._proc.pid else _role(entry["name"])
+            roles[role] = roles.get(role, 0) + entry["peak"]
+        return {
+            "peak_rss_frontend": self.peak_self,
+            "peak_rss_engine_core": roles.get("engine_core", 0),
+            "peak_rss_workers": roles.get("workers", 0),
+            "peak_rss_engine": self.peak_engine,
+            "peak_rss_total": max(self.peak_total, self.peak_self),
+            "peak_rss_method": self.method,
+        }
+
+
+def engine_facts(llm: Any) -> dict[str, Any]:
+    """The effective engine settings (after vLLM's own defaults and
+    adjustments) and the CPU threads its processes were given: what a
+    comparison between two engines must hold equal."""
+    import psutil
+
+    facts: dict[str, Any] = {}
+    try:
+        c = llm.llm_engine.vllm_config
+        sc, cc, mc, cac = (
+            c.scheduler_config,
+            c.compilation_config,
+            c.model_config,
+            c.cache_config,
+        )
+        facts["config"] = {
+            "max_num_batched_tokens": sc.max_num_batched_tokens,
+            "max_num_seqs": sc.max_num_seqs,
+            "enable_chunked_prefill": sc.enable_chunked_prefill,
+            "async_scheduling": sc.async_scheduling,
+            "enable_prefix_caching": cac.enable_prefix_caching,
+            "block_size": cac.block_size,
+            "num_kv_blocks": cac.num_gpu_blocks,
+            "kv_cache_memory_bytes": getattr(cac, "kv_cache_memory_bytes", None),
+            "dtype": str(mc.dtype),
+            "max_model_len": mc.max_model_len,
+            "enforce_eager": mc.enforce_eager,
+            "compilation_mode": str(cc.mode),
+            "cudagraph_mode": str(cc.cudagraph_mode),
+            "executor": str(c.parallel_config.distributed_executor_backend),
+            "speculative_method": getattr(c.speculative_config, "method", None),
+            "kv_connector": getattr(c.kv_transfer_config, "kv_connector", None),
+            "hidden_states_config": str(getattr(c, "hidden_states_config", None)),
+        }
+    except Exception as e:  # a release with other config names
+        facts["config_error"] = repr(e)
+    processes = []
+    for p in [psutil.Process(), *psutil.Process().children(recursive=True)]:
+        try:
+            with open(f"/proc/{p.pid}/environ", "rb") as f:
+                env = dict(
+                    item.split(b"=", 1)
+                    for item in f.read().split(b"\0")
+                    if b"=" in item
+                )
+            cpus = sorted(
+                {cpu for t in p.threads() for cpu in os.sched_getaffinity(t.id)}
+            )
+        except (OSError, psutil.Error):
+            continue
+        processes.append(
+            {
+                "name": p.name(),
+                "omp_num_threads": env.get(b"OMP_NUM_THREADS", b"").decode() or None,
+                "cpus": cpus,
+            }
+        )
+    facts["processes"] = processes
+    facts["env"] = {
+        k: v for k, v in os.environ.items() if k.startswith(("VLLM_CPU_", "OMP_"))
+    }
+    return facts
 
 
 def memcpy_bandwidth(mib: int) -> float:
@@ -158,9 +311,16 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     llm = LLM(spec["model"], **spec["engine"])
     start_s = time.perf_counter() - t0
+    facts = engine_facts(llm)
     variants = spec["variants"]
-    llm.generate(prompts[:2], params(None), use_tqdm=False)  # warm-up
-    timings: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
+    # Warm-up with the full batch: the first batch of a new size pays one-off
+    # costs (kernel selection, buffers) that no measured round should carry.
+    warm = prompts if spec.get("warmup", "full") == "full" else prompts[:2]
+    outs = llm.generate(warm, params(None), use_tqdm=False)
+    if spec.get("write_dir"):
+        write_outputs(llm, outs, spec, "warmup", TokensPrompt)
+    del outs
+    timings: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
     names = list(variants)
     for r in range(spec["rounds"]):
         order = names if r % 2 == 0 else names[::-1]
@@ -168,6 +328,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             with PeakRss() as rss:
                 t0 = time.perf_counter()
                 outs = llm.generate(prompts, params(variants[name]), use_tqdm=False)
+                generate_s = time.perf_counter() - t0
                 if spec.get("write_dir"):
                     write_outputs(llm, outs, spec, f"{name}-{r}", TokensPrompt)
                 wall = time.perf_counter() - t0
@@ -183,15 +344,17 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             timings[name].append(
                 {
                     "wall_s": wall,
+                    "generate_s": generate_s,
+                    "write_s": wall - generate_s,
                     "tokens_per_s": tokens / wall,
+                    "generate_tokens_per_s": tokens / generate_s,
                     "state_bytes": state_bytes,
                     "state_bytes_per_s": state_bytes / wall,
-                    "peak_rss_total": rss.peak_total,
-                    "peak_rss_frontend": rss.peak_self,
+                    **rss.fields(),
                 }
             )
             del outs
-    result = {"start_s": start_s, "timings": timings}
+    result = {"start_s": start_s, "timings": timings, "engine": facts}
     if spec.get("memcpy_mib"):
         result["memcpy_bytes_per_s"] = memcpy_bandwidth(spec["memcpy_mib"])
     llm.llm_engine.engine_core.shutdown()
