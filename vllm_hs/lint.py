@@ -199,7 +199,7 @@ def _apply_and_check(repo: Repo, patch: Patch) -> list[tuple[str, str]]:
     if moved:
         problems.append(
             (
-                "apply",
+                "offset",
                 "applies only at other line numbers (offset); regenerate it from "
                 "a tree at this release (vllm-hs stage + refresh)",
             )
@@ -232,7 +232,11 @@ def ruff_command() -> list[str]:
 def ruff_problems(repo: Repo, base: str) -> list[str]:
     """ruff check + format findings on lines the series adds, with vLLM's config."""
     added = added_lines(repo, base)
-    files = sorted(path for path in added if path.endswith(".py"))
+    # Files that do not compile are reported by the compile check; ruff format
+    # refuses them.
+    files = sorted(
+        path for path in added if path.endswith(".py") and _compiles(repo.path / path)
+    )
     if not files:
         return []
     ruff = ruff_command()
@@ -264,6 +268,14 @@ def ruff_problems(repo: Repo, base: str) -> list[str]:
         if row in added.get(path, set()):
             problems.append(f"{path}:{row}: not formatted as ruff format would")
     return problems
+
+
+def _compiles(path: Path) -> bool:
+    try:
+        compile(path.read_bytes(), str(path), "exec", dont_inherit=True)
+    except SyntaxError:
+        return False
+    return True
 
 
 def added_lines(repo: Repo, base: str) -> dict[str, set[int]]:

@@ -1,0 +1,122 @@
+"""vllm-hs lint: the shipped series are clean; each kind of defect is caught."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from vllm_hs.cli import main
+from vllm_hs.lint import lint_series
+from vllm_hs.series import available_versions
+
+SERIES_ROOT = Path(__file__).resolve().parents[2] / "patches"
+VERSIONS = available_versions(SERIES_ROOT)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_shipped_series_is_clean(version: str, sdist) -> None:
+    """For 0.33.0 this is the CI check: applies, compiles, passes vLLM's ruff."""
+    findings = lint_series(version, series_root=SERIES_ROOT, sdist=sdist[version])
+    assert [str(finding) for finding in findings] == []
+
+
+def _edit(path: Path, old: str, new: str, count: int = 1) -> None:
+    text = path.read_text()
+    assert text.count(old) >= count, (path.name, old)
+    path.write_text(text.replace(old, new, count))
+
+
+def test_each_defect_is_reported(tmp_path: Path, sdist, capsys) -> None:
+    root = tmp_path / "patches"
+    shutil.copytree(SERIES_ROOT / "v0.32.0", root / "v0.32.0")
+    directory = root / "v0.32.0"
+    config, params, scheduler = (
+        next(directory.glob(f"{number}-*.patch")) for number in ("0001", "0002", "0004")
+    )
+    # 0001: a header field gone; an added line that no longer compiles.
+    _edit(config, "Upstream-Status: Pending\n", "")
+    _edit(
+        config,
+        "+        verify_hidden_states_config(self)\n",
+        "+        verify_hidden_states_config(self))\n",
+    )
+    # 0002: an added import that is never used (F401 under vLLM's ruff config).
+    _edit(params, "+import msgspec\n", "+import msgspec\n+import os\n")
+    _fix_hunk_counts(params)
+    # 0004: the hunks moved by a few lines (applies only with an offset).
+    text = scheduler.read_text()
+    moved = re.sub(
+        r"^@@ -(\d+),(\d+) \+(\d+),(\d+) @@",
+        lambda m: (
+            m[0]
+            if m[1] == "0"  # a new file's hunk stays
+            else f"@@ -{int(m[1]) + 3},{m[2]} +{int(m[3]) + 3},{m[4]} @@"
+        ),
+        text,
+        flags=re.MULTILINE,
+    )
+    assert moved != text
+    scheduler.write_text(moved)
+    # A patch file the series does not list.
+    (directory / "0099-stray.patch").write_text(params.read_text())
+
+    findings = [
+        str(f) for f in lint_series("0.32.0", series_root=root, sdist=sdist["0.32.0"])
+    ]
+
+    def found(patch: Path | str, check: str, text: str) -> bool:
+        name = patch if isinstance(patch, str) else patch.name
+        return any(
+            f.startswith(f"v0.32.0 {name}: [{check}]") and text in f for f in findings
+        )
+
+    assert found(config, "header", "no 'Upstream-Status:' field"), findings
+    assert found(config, "compile", "vllm/config/vllm.py"), findings
+    assert found(scheduler, "offset", "other line numbers"), findings
+    assert found("0099-stray.patch", "series", "not listed"), findings
+    assert found("series", "ruff", "F401"), findings
+    assert not any("[header]" in f for f in findings if params.name in f)
+
+    assert (
+        main(
+            [
+                "lint",
+                "--version",
+                "0.32.0",
+                "--series-dir",
+                str(root),
+                "--sdist",
+                str(sdist["0.32.0"]),
+            ]
+        )
+        == 1
+    )
+    assert "problem(s)" in capsys.readouterr().out
+
+
+def _fix_hunk_counts(path: Path) -> None:
+    """Recount the +side line counts of every hunk after lines were added."""
+    lines = path.read_text().split("\n")
+    out, index = [], 0
+    while index < len(lines):
+        line = lines[index]
+        match = re.match(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@(.*)$", line)
+        if not match:
+            out.append(line)
+            index += 1
+            continue
+        body = []
+        index += 1
+        while index < len(lines) and lines[index][:1] in ("+", "-", " ", "\\"):
+            if lines[index].startswith(("+++", "---")) and body:
+                break
+            body.append(lines[index])
+            index += 1
+        old = sum(1 for b in body if b[:1] in ("-", " "))
+        new = sum(1 for b in body if b[:1] in ("+", " "))
+        out.append(f"@@ -{match[1]},{old} +{match[3]},{new} @@{match[5]}")
+        out.extend(body)
+    path.write_text("\n".join(out))
