@@ -41,8 +41,35 @@ def markdown(results: list[tuple[str, dict[str, Any]]]) -> str:
             f"{data.get('settings', {}).get('model', '')} | "
             f"{machine.get('cpu', '')} x{machine.get('cores', '')} |"
         )
-    lines += memory_table(results)
     return "\n".join(lines) + "\n"
+
+
+def descriptions(results: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    """What each figure compares, from its result file, with its settings."""
+    lines = ["", "## What each figure compares", ""]
+    for release, data in results:
+        st = data.get("settings", {})
+        shape = ""
+        if st.get("prompts"):
+            shape = (
+                f"; {st['prompts']} prompts x {st.get('prompt_len')} tokens, "
+                f"max_tokens {st.get('max_tokens')}"
+            )
+        rounds = len(data.get("rounds", []))
+        load = data.get("load_average") or {}
+        load_text = ""
+        if load.get("before"):
+            load_text = (
+                f"; load average {load['before'][0]:.1f} before, "
+                f"{load['after'][0]:.1f} after"
+            )
+        text = " ".join(str(data.get("description", "")).split())
+        lines.append(
+            f"- **{data['suite']}** ({release}, model {st.get('model', '')}"
+            f"{shape}; {rounds} rounds{load_text}, {data.get('started', '')}): "
+            f"{text}"
+        )
+    return lines
 
 
 def memory_table(results: list[tuple[str, dict[str, Any]]]) -> list[str]:
@@ -132,5 +159,7 @@ def write_report(root: Path) -> str:
     png = root / "chart.png"
     if results and chart(results, png):
         text += "\n![ratios by suite and release](chart.png)\n"
+    more = memory_table(results) + descriptions(results)
+    text += "\n".join(more) + "\n"
     (root / "README.md").write_text(text)
     return text

@@ -331,6 +331,7 @@ def transport(settings: Settings) -> SuiteResult:
         summary,
         t0,
         memory={"prefill with all layers": out["timings"]["prefill"]},
+        max_tokens=1,
     )
 
 
@@ -383,7 +384,8 @@ def _native(settings: Settings, name: str) -> SuiteResult:
     the vllm-hs channel against vLLM's own extract_hidden_states +
     ExampleHiddenStatesConnector (made to run on CPU by patch 0008), same
     model, layers, dtype and engine settings; separate engine processes run
-    alternately, each timing a full-size warm-up and then 3 batches (median).
+    alternately; each process runs a full-size warm-up batch, then times
+    3 batches (their median is the process's figure).
 
     What each side does per batch. Channel: one forward with the layers
     captured in the model runner, the rows sent to the frontend in the engine
@@ -397,6 +399,15 @@ def _native(settings: Settings, name: str) -> SuiteResult:
     only). Rounds also compare the plain prefill of the two engines (the
     generate call alone; on the native engine it includes the copy into the
     buffer, which cannot be switched off).
+
+    Known defect on the native side (CPU only, patch 0008 of series v0.32.0
+    revision 1-2): the connector never reports a CPU copy as done
+    (get_finished treats the None it stores for "no CUDA event" as "not
+    tracked"), so the engine keeps every finished request's KV blocks and
+    keeps stepping while idle (a busy engine core and worker). Files are
+    still written; the busy loop costs native a little CPU around its writes
+    (the wait for the files is about 2% of its time here), and the leak limits
+    how many batches one native engine can run (3 per process here).
     """
     t0 = time.perf_counter()
     env, binding = NATIVE_BINDINGS[name]
@@ -498,6 +509,7 @@ def _native(settings: Settings, name: str) -> SuiteResult:
             ],
         },
         cpu_binding_env=env,
+        max_tokens=1,
         batches_per_process=per_process,
         layers=layers,
     )
