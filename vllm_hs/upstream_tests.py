@@ -208,7 +208,7 @@ def run_upstream_tests(args: argparse.Namespace) -> int:
     return 1 if comparison.regressions else 0
 
 
-def test_list(series_root: Path, version: str, *, extended: bool = False) -> list[str]:
+def listed_tests(series_root: Path, version: str, *, extended: bool = False) -> list[str]:
     """The series' test files: the first group, plus the `[extended]` one if asked."""
     path = load_series(series_root, version).directory / TESTS_FILE
     if not path.is_file():
@@ -235,7 +235,7 @@ def compare(
     timeout: int = 300,
 ) -> Comparison:
     series_root = series_root or default_series_root()
-    tests = tests or test_list(series_root, version, extended=extended)
+    tests = tests or listed_tests(series_root, version, extended=extended)
     with tempfile.TemporaryDirectory(prefix="vllm-hs-upstream-") as scratch:
         work = keep.resolve() if keep is not None else Path(scratch)
         staged = stage(

@@ -1,0 +1,85 @@
+"""vllm-hs upstream-tests: vLLM's own unit tests pass on the patched trees as unpatched.
+
+This is the CI check of each series against upstream's tests (for 0.33.0, which has
+no CPU build, the only run of its code here). The negative control proves the
+comparison can fail: a series that breaks SamplingParams must show regressions.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from vllm_hs.refresh import refresh
+from vllm_hs.series import available_versions
+from vllm_hs.stage import stage
+from vllm_hs.upstream_tests import PASSED, compare, listed_tests
+
+SERIES_ROOT = Path(__file__).resolve().parents[2] / "patches"
+
+
+@pytest.mark.parametrize("version", available_versions(SERIES_ROOT))
+def test_no_upstream_test_regresses(version: str, sdist, tmp_path: Path) -> None:
+    comparison = compare(
+        version, series_root=SERIES_ROOT, sdist=sdist[version], keep=tmp_path / "w"
+    )
+    assert comparison.regressions == [], comparison.report()
+    # The runs were real: every listed file ran tests that pass on both trees.
+    for test_file in listed_tests(SERIES_ROOT, version):
+        ran = [
+            test
+            for test, outcome in comparison.patched.outcomes.items()
+            if test.startswith(test_file + "::") and outcome == PASSED
+        ]
+        assert ran, f"no test of {test_file} passed patched:\n{comparison.report()}"
+    # ... and the patched tree really held the series.
+    assert (tmp_path / "w/patched/vllm/v1/hidden_states/accumulator.py").is_file()
+    assert not (tmp_path / "w/unpatched/vllm/v1/hidden_states").exists()
+
+
+def test_a_breaking_series_shows_regressions(tmp_path: Path, sdist) -> None:
+    staged = stage(
+        "0.32.0",
+        dest=tmp_path / "broken",
+        sdist=sdist["0.32.0"],
+        series_root=SERIES_ROOT,
+    )
+    tree = staged.repo.path
+    params = tree / "vllm/sampling_params.py"
+    hook = (
+        "    def __post_init__(self) -> None:\n"
+        "        if 0 < self.temperature < _MAX_TEMP:"
+    )
+    text = params.read_text()
+    assert text.count(hook) == 1
+    broken = hook.replace(
+        ":\n", ":\n        raise ValueError('deliberately broken')\n", 1
+    )
+    params.write_text(text.replace(hook, broken))
+    env = {
+        "GIT_AUTHOR_NAME": "t",
+        "GIT_AUTHOR_EMAIL": "t@t",
+        "GIT_COMMITTER_NAME": "t",
+        "GIT_COMMITTER_EMAIL": "t@t",
+        "PATH": "/usr/bin:/bin",
+    }
+    message = "[Core] Break SamplingParams\n\nA negative control."
+    subprocess.run(["git", "commit", "-qam", message], cwd=tree, check=True, env=env)
+    root = tmp_path / "patches"
+    shutil.copytree(SERIES_ROOT / "v0.32.0", root / "v0.32.0")
+    refresh(tree, series_root=root)
+
+    comparison = compare(
+        "0.32.0",
+        series_root=root,
+        sdist=sdist["0.32.0"],
+        tests=["tests/test_sampling_params.py"],
+    )
+    assert comparison.regressions, comparison.report()
+    assert all(
+        t.startswith("tests/test_sampling_params.py::") for t in comparison.regressions
+    )
+    assert "Regressions (pass unpatched, not patched): 0" not in comparison.report()
