@@ -208,7 +208,9 @@ def run_upstream_tests(args: argparse.Namespace) -> int:
     return 1 if comparison.regressions else 0
 
 
-def listed_tests(series_root: Path, version: str, *, extended: bool = False) -> list[str]:
+def listed_tests(
+    series_root: Path, version: str, *, extended: bool = False
+) -> list[str]:
     """The series' test files: the first group, plus the `[extended]` one if asked."""
     path = load_series(series_root, version).directory / TESTS_FILE
     if not path.is_file():
