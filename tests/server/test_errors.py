@@ -115,6 +115,26 @@ def test_beam_search_is_400(http, served_model, model_dir):
     good_request(http, served_model, model_dir, "completions")
 
 
+def test_batch_chat_endpoint_refuses_hidden_states(http, served_model, model_dir):
+    """/v1/chat/completions/batch cannot return states: a 400, never ignored."""
+    body = {
+        "model": served_model,
+        "messages": [
+            [{"role": "user", "content": "Hello there."}],
+            [{"role": "user", "content": "And again."}],
+        ],
+        "max_tokens": 3,
+        "hidden_states": {"layers": [2]},
+    }
+    response = http.post("/v1/chat/completions/batch", json=body)
+    assert_400(response, ["hidden states", "/v1/chat/completions"], "batch chat")
+    del body["hidden_states"]
+    response = http.post("/v1/chat/completions/batch", json=body)
+    assert response.status_code == 200, response.text[:500]
+    assert len(response.json()["choices"]) == 2
+    good_request(http, served_model, model_dir, "chat")
+
+
 def test_openai_client_raises_bad_request(oai, served_model):
     import openai
 
