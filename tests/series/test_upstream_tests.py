@@ -8,7 +8,6 @@ comparison can fail: a series that breaks SamplingParams must show regressions.
 from __future__ import annotations
 
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -59,15 +58,8 @@ def test_a_breaking_series_shows_regressions(tmp_path: Path, sdist) -> None:
         ":\n", ":\n        raise ValueError('deliberately broken')\n", 1
     )
     params.write_text(text.replace(hook, broken))
-    env = {
-        "GIT_AUTHOR_NAME": "t",
-        "GIT_AUTHOR_EMAIL": "t@t",
-        "GIT_COMMITTER_NAME": "t",
-        "GIT_COMMITTER_EMAIL": "t@t",
-        "PATH": "/usr/bin:/bin",
-    }
     message = "[Core] Break SamplingParams\n\nA negative control."
-    subprocess.run(["git", "commit", "-qam", message], cwd=tree, check=True, env=env)
+    staged.repo.git("commit", "-q", "-a", "-m", message)
     root = tmp_path / "patches"
     shutil.copytree(SERIES_ROOT / "v0.32.0", root / "v0.32.0")
     refresh(tree, series_root=root)
