@@ -351,11 +351,13 @@ def _prefill_spec(settings: Settings, path: str, vocab: int, **kw: Any) -> dict:
 # How the CPU engines' OpenMP threads are placed (vLLM's CPU backend binds its
 # worker's threads to cores; ignored on GPUs). By default vLLM reserves one core
 # for the frontend and scheduler, and ONE MORE when a KV connector is configured
-# (it assumes a NIXL-style transfer thread). On a machine with few cores that
-# second reservation cannot be met and vLLM then reserves NONE, so the native
-# engine (which needs a KV connector) computes on every core while the channel
-# engine computes on all but one: on 2 cores, 2 OpenMP threads against 1.
-# VLLM_CPU_NUM_OF_RESERVED_CPU sets the reservation for both.
+# (vllm/utils/ompmultiprocessing.py: "for nixl_connector under p/d case"). When
+# the cores it would bind number no more than the reservation, vLLM reserves
+# NONE: on 2 cores the native engine (which needs a KV connector) computes on 2
+# OpenMP threads and the channel engine on 1; from 3 cores on, the native engine
+# gets one thread fewer than the channel engine instead. Neither is a like for
+# like comparison; VLLM_CPU_NUM_OF_RESERVED_CPU sets the same reservation for
+# both.
 NATIVE_BINDINGS: dict[str, tuple[dict[str, str], str]] = {
     "native": (
         {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"},
