@@ -343,6 +343,8 @@ def _run_pytest(
         "-p",
         "no:cacheprovider",
         "-q",
+        # A module that cannot be imported here is reported, not fatal.
+        "--continue-on-collection-errors",
         "-o",
         "junit_family=xunit1",
         f"--timeout={timeout}",
