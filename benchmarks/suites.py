@@ -402,11 +402,12 @@ def _native(settings: Settings, name: str) -> SuiteResult:
     generate call alone; on the native engine it includes the copy into the
     buffer, which cannot be switched off).
 
-    Known defect on the native side (CPU only, patch 0008 of series v0.32.0
-    revision 1-2): the connector never reports a CPU copy as done
+    Measured with patch 0008 as in series v0.32.0 revision 1, which had a
+    defect on CPU (fixed in revision 2, after these runs): the connector never
+    reported a CPU copy as done
     (get_finished treats the None it stores for "no CUDA event" as "not
-    tracked"), so the engine keeps every finished request's KV blocks and
-    keeps stepping while idle (a busy engine core and worker). Files are
+    tracked"), so the engine kept every finished request's KV blocks and
+    kept stepping while idle (a busy engine core and worker). Files are
     still written; the busy loop costs native a little CPU around its writes
     (the wait for the files is about 2% of its time here), and the leak limits
     how many batches one native engine can run (3 per process here).
