@@ -41,6 +41,8 @@ from vllm_hs.stage import stage
 
 TESTS_FILE = "upstream-tests"
 EXTENDED_SECTION = "[extended]"
+# pytest plugin against offline retry sleeps (vllm_hs/upstream_shim.py).
+SHIM = "upstream_shim"
 PASSED, FAILED, ERROR, SKIPPED = "passed", "failed", "error", "skipped"
 # Sha of the fake snapshot in the offline HF cache (any 40 hex digits will do).
 _SNAPSHOT = "0" * 40
@@ -314,8 +316,11 @@ def _run_pytest(
         for key, value in os.environ.items()
         if not key.startswith(("VLLM_", "PYTEST_"))
     }
+    shim_dir = work / "shim"
+    shim_dir.mkdir(exist_ok=True)
+    shutil.copy2(Path(__file__).with_name(f"{SHIM}.py"), shim_dir / f"{SHIM}.py")
     env.update(
-        PYTHONPATH=str(tree),
+        PYTHONPATH=os.pathsep.join([str(tree), str(shim_dir)]),
         VLLM_TARGET_DEVICE="cpu",
         HF_HOME=str(hf_home),
         HF_HUB_OFFLINE="1",
@@ -343,6 +348,8 @@ def _run_pytest(
         "-p",
         "no:cacheprovider",
         "-q",
+        "-p",
+        SHIM,
         # A module that cannot be imported here is reported, not fatal.
         "--continue-on-collection-errors",
         "-o",
