@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 from dataclasses import dataclass
@@ -29,10 +30,7 @@ class Repo:
 
     def git(self, *args: str, check: bool = True, input: str | None = None) -> str:
         """Run git in the repository; return stdout (stderr is folded into errors)."""
-        env = dict(os.environ)
-        for role in ("AUTHOR", "COMMITTER"):
-            env.setdefault(f"GIT_{role}_NAME", self._configured("user.name", 0))
-            env.setdefault(f"GIT_{role}_EMAIL", self._configured("user.email", 1))
+        env = {**self._identity, **os.environ}
         env["GIT_EDITOR"] = "true"  # `rebase --continue` and friends never prompt
         result = subprocess.run(
             ["git", "-c", "core.autocrlf=false", *args],
@@ -47,14 +45,25 @@ class Repo:
             raise GitError(list(args), result.returncode, output)
         return result.stdout
 
-    def _configured(self, key: str, fallback_index: int) -> str:
-        result = subprocess.run(
-            ["git", "config", "--get", key],
-            cwd=self.path if self.path.is_dir() else None,
-            text=True,
-            capture_output=True,
-        )
-        return result.stdout.strip() or IDENTITY[fallback_index]
+    @functools.cached_property
+    def _identity(self) -> dict[str, str]:
+        """GIT_{AUTHOR,COMMITTER}_{NAME,EMAIL}: the git configuration's user, else
+        IDENTITY; looked up once per Repo (the environment still wins)."""
+        values = []
+        for key, fallback in zip(("user.name", "user.email"), IDENTITY, strict=True):
+            result = subprocess.run(
+                ["git", "config", "--get", key],
+                cwd=self.path if self.path.is_dir() else None,
+                text=True,
+                capture_output=True,
+            )
+            values.append(result.stdout.strip() or fallback)
+        name, email = values
+        return {
+            f"GIT_{role}_{field}": value
+            for role in ("AUTHOR", "COMMITTER")
+            for field, value in (("NAME", name), ("EMAIL", email))
+        }
 
     @classmethod
     def init(cls, path: Path) -> Repo:

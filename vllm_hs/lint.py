@@ -37,6 +37,7 @@ from vllm_hs.series import (
     available_versions,
     default_series_root,
     load_series,
+    patch_subject,
     unlisted_patches,
 )
 from vllm_hs.stage import import_release
@@ -44,7 +45,6 @@ from vllm_hs.stage import import_release
 _STATUS_RE = re.compile(
     r"^(Pending|(Submitted|Accepted) https?://\S+|Not-for-upstream(\s.+)?)$"
 )
-_SUBJECT_RE = re.compile(r"^Subject: \[PATCH\] (.*)$", re.MULTILINE)
 _TAGGED_SUBJECT_RE = re.compile(r"^\[[A-Za-z0-9][\w./ -]*\] \S")
 _HUNK_RE = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@", re.MULTILINE)
 _PRE_COMMIT_RUFF_RE = re.compile(
@@ -154,12 +154,12 @@ def header_problems(patch: Patch, version: str) -> list[str]:
     text = patch.path.read_text(encoding="utf-8")
     message = text.split("\n---\n", 1)[0]
     problems = []
-    subject = _SUBJECT_RE.search(message)
+    subject = patch_subject(message)
     if subject is None:
         problems.append("no 'Subject: [PATCH] ...' line (not git format-patch output)")
-    elif not _TAGGED_SUBJECT_RE.match(subject.group(1)):
+    elif not _TAGGED_SUBJECT_RE.match(subject):
         problems.append(
-            f"subject {subject.group(1)!r} lacks vLLM's '[Tag] ' prefix "
+            f"subject {subject!r} lacks vLLM's '[Tag] ' prefix "
             "(e.g. [Core], [Frontend])"
         )
     body = message.split("\n\n", 1)[1] if "\n\n" in message else ""
@@ -207,10 +207,8 @@ def _apply_and_check(repo: Repo, patch: Patch) -> list[tuple[str, str]]:
     changed = repo.git("diff", "--name-only", "--diff-filter=AM", "HEAD~1", "HEAD")
     for path in changed.split():
         if path.endswith(".py"):
-            source = (repo.path / path).read_bytes()
-            try:
-                compile(source, path, "exec", dont_inherit=True)
-            except SyntaxError as error:
+            error = _compile_error(repo.path, path)
+            if error is not None:
                 problems.append(("compile", f"{path}:{error.lineno}: {error.msg}"))
     return problems
 
@@ -235,7 +233,9 @@ def ruff_problems(repo: Repo, base: str) -> list[str]:
     # Files that do not compile are reported by the compile check; ruff format
     # refuses them.
     files = sorted(
-        path for path in added if path.endswith(".py") and _compiles(repo.path / path)
+        path
+        for path in added
+        if path.endswith(".py") and _compile_error(repo.path, path) is None
     )
     if not files:
         return []
@@ -270,12 +270,13 @@ def ruff_problems(repo: Repo, base: str) -> list[str]:
     return problems
 
 
-def _compiles(path: Path) -> bool:
+def _compile_error(tree: Path, path: str) -> SyntaxError | None:
+    """Why tree/path does not byte-compile, or None if it does."""
     try:
-        compile(path.read_bytes(), str(path), "exec", dont_inherit=True)
-    except SyntaxError:
-        return False
-    return True
+        compile((tree / path).read_bytes(), path, "exec", dont_inherit=True)
+    except SyntaxError as error:
+        return error
+    return None
 
 
 def added_lines(repo: Repo, base: str) -> dict[str, set[int]]:

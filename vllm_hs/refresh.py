@@ -25,12 +25,13 @@ from vllm_hs.series import (
     VllmHsError,
     default_series_root,
     load_series,
+    patch_headers,
+    patch_subject,
 )
 from vllm_hs.stage import CONFIG_BASE, CONFIG_FROM, CONFIG_VERSION
 
 FORMAT_PATCH_OPTIONS = ("--zero-commit", "--no-signature", "--no-numbered")
 _TRAILER_RE = re.compile(r"^[A-Za-z][A-Za-z0-9-]*: \S")
-_SUBJECT_RE = re.compile(r"^Subject: \[PATCH\] (.*(?:\n .*)*)", re.MULTILINE)
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,7 @@ def refresh(
     series_root = series_root or default_series_root()
     directory = series_root / f"v{version}"
     old_patches: dict[str, str] = {}
+    old_status: dict[str | None, str | None] = {}
     comments: list[str] = []
     old_revision: int | None = None
     # The series being replaced: X's own, else (a bump) the one the branch came from.
@@ -141,15 +143,15 @@ def refresh(
         old = load_series(series_root, origin)
         old_revision = old.revision if origin == version else None
         old_patches = {p.name: p.path.read_text(encoding="utf-8") for p in old.patches}
+        old_status = {
+            patch_subject(old_patches[p.name]): p.headers.get("Upstream-Status")
+            for p in old.patches
+        }
         comments = [
             line
             for line in (old.directory / SERIES_FILE).read_text().splitlines()
             if line.startswith("#")
         ]
-    old_status = {
-        _subject(text): _header(text, "Upstream-Status")
-        for text in old_patches.values()
-    }
 
     with tempfile.TemporaryDirectory(prefix="vllm-hs-refresh-") as scratch:
         span = f"{base}..HEAD"
@@ -180,12 +182,16 @@ def refresh(
     return RefreshOutcome(directory, tuple(texts), changed, tuple(removed))
 
 
-def with_headers(text: str, version: str, old_status: dict[str, str | None]) -> str:
+def with_headers(
+    text: str, version: str, old_status: dict[str | None, str | None]
+) -> str:
     """The patch with `Upstream-Status:` kept (or Pending) and `vLLM-Version: X`."""
     message, separator, rest = text.partition("\n---\n")
     if not separator:
         raise VllmHsError("format-patch output without a '---' separator")
-    status = _header(message, "Upstream-Status") or old_status.get(_subject(text))
+    status = patch_headers(message).get("Upstream-Status") or old_status.get(
+        patch_subject(text)
+    )
     lines = [
         line
         for line in message.splitlines()
@@ -199,14 +205,3 @@ def with_headers(text: str, version: str, old_status: dict[str, str | None]) -> 
     lines += [f"Upstream-Status: {status or 'Pending'}", f"vLLM-Version: {version}"]
     message = "\n".join(lines)
     return message + separator + rest
-
-
-def _subject(text: str) -> str:
-    match = _SUBJECT_RE.search(text)
-    return " ".join(match.group(1).split()) if match else ""
-
-
-def _header(text: str, field: str) -> str | None:
-    body = text.split("\n---\n", 1)[0]
-    match = re.search(rf"^{re.escape(field)}:[ \t]*(.*)$", body, re.MULTILINE)
-    return match.group(1).strip() if match else None

@@ -23,6 +23,7 @@ MARKER_FILE = "vllm/_vllm_hs.json"
 _REVISION_RE = re.compile(r"\brevision\s+(\d+)\b")
 _DIFF_GIT_RE = re.compile(r"^diff --git a/(\S+) b/(\S+)$", re.MULTILINE)
 _HEADER_RE = re.compile(r"^(Upstream-Status|vLLM-Version):[ \t]*(.*)$", re.MULTILINE)
+_SUBJECT_RE = re.compile(r"^Subject: \[PATCH\] (.*(?:\n .*)*)", re.MULTILINE)
 _VERSION_RE = re.compile(r"""^__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""")
 
 
@@ -168,14 +169,25 @@ def _load_patch(path: Path) -> Patch:
                 touched.append(candidate)
     if not touched:
         raise VllmHsError(f"{path} holds no 'diff --git a/... b/...' section")
-    body = text.split("\ndiff --git ", 1)[0]
     return Patch(
         name=path.name,
         path=path,
         sha256=sha256_file(path),
         touched_paths=tuple(touched),
-        headers={key: value.strip() for key, value in _HEADER_RE.findall(body)},
+        headers=patch_headers(text),
     )
+
+
+def patch_headers(text: str) -> dict[str, str]:
+    """The DEP-3-style fields (Upstream-Status, vLLM-Version) of a patch's message."""
+    body = text.split("\ndiff --git ", 1)[0]
+    return {key: value.strip() for key, value in _HEADER_RE.findall(body)}
+
+
+def patch_subject(text: str) -> str | None:
+    """The subject of a `git format-patch` mail, unwrapped; None if it has none."""
+    match = _SUBJECT_RE.search(text)
+    return " ".join(match.group(1).split()) if match else None
 
 
 def _check_relative(diff_path: str, patch_path: Path) -> None:

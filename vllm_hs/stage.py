@@ -14,6 +14,7 @@ middle of the rebase; resolve it, `git rebase --continue`, then `vllm-hs refresh
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -230,14 +231,8 @@ def stage(
     except GitError as error:
         status = repo.git("status", "--short", check=False)
         conflicted = [line for line in status.splitlines() if line[:2] in _UNMERGED]
-        return StagedTree(
-            repo,
-            version,
-            base,
-            branch,
-            series,
-            conflict=error.output + "\n\nconflicted files:\n" + "\n".join(conflicted),
-        )
+        report = error.output + "\n\nconflicted files:\n" + "\n".join(conflicted)
+        return dataclasses.replace(staged, conflict=report)
     return staged
 
 
