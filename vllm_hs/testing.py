@@ -59,3 +59,16 @@ def engine(model_dir: str, mode: str = "inproc", **kwargs: Any) -> Iterator[Any]
         del llm
         gc.collect()
         cleanup_dist_env_and_memory()
+
+
+class ChannelStateProbe:
+    """A vLLM worker extension for tests (``worker_extension_cls=
+    "vllm_hs.testing.ChannelStateProbe"``): what the worker side of the channel
+    still holds, through ``collective_rpc("hidden_states_request_ids")`` (or the
+    server's dev-mode ``/collective_rpc``)."""
+
+    model_runner: Any  # set by vLLM's worker
+
+    def hidden_states_request_ids(self) -> list[str]:
+        capturer = getattr(self.model_runner, "hidden_states_capturer", None)
+        return [] if capturer is None else sorted(capturer.request_ids)

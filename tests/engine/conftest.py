@@ -38,7 +38,8 @@ def qwen3_bf16() -> str:
 @pytest.fixture(scope="module", params=MODES)
 def main_engine(request: pytest.FixtureRequest, llama_fp32: str):
     """Llama fp32 engine with chunked prefill (32-token budget), prefix caching
-    on and a per-request cap; yields (llm, mode)."""
+    on, a per-request cap and the worker probe (`ChannelStateProbe`); yields
+    (llm, mode)."""
     mode = request.param
     with engine(
         llama_fp32,
@@ -53,5 +54,6 @@ def main_engine(request: pytest.FixtureRequest, llama_fp32: str):
         enable_prefix_caching=True,
         block_size=32,  # the CPU default (128) would hide short shared prefixes
         enforce_eager=(mode == "inproc"),
+        worker_extension_cls="vllm_hs.testing.ChannelStateProbe",
     ) as llm:
         yield llm, mode

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import psutil
 import pytest
@@ -257,10 +258,26 @@ def _rss_bytes(mode: str) -> int:
     return sum(p.memory_info().rss for p in procs)
 
 
+def worker_request_ids(llm, mode: str) -> list[str]:
+    """Requests the worker's capturer still holds once the engine told it of
+    every finished request. The worker learns of them on the next step, which
+    schedules no tokens when nothing else runs: the multiprocess engine core
+    takes that step by itself (poll until it did); in-process, step once."""
+    if mode == "inproc":
+        llm.llm_engine.step()
+    deadline = time.monotonic() + 10.0
+    while True:
+        ids = [i for r in llm.collective_rpc("hidden_states_request_ids") for i in r]
+        if not ids or time.monotonic() > deadline:
+            return ids
+        time.sleep(0.1)
+
+
 def test_aborts_leave_nothing_behind(main_engine, llama_fp32):
     """A few hundred requests aborted mid-flight with rows in transit: nothing
-    is left in the frontend or the scheduler, memory stays flat, and the next
-    request is served correctly."""
+    is left in the frontend, the scheduler or the worker (the step that reports
+    the aborts schedules no tokens), memory stays flat, and the next request is
+    served correctly."""
     llm, mode = main_engine
     llm_engine = llm.llm_engine
     rss: list[int] = []
@@ -282,6 +299,7 @@ def test_aborts_leave_nothing_behind(main_engine, llama_fp32):
         if mode == "inproc":
             scheduler = llm_engine.engine_core.engine_core.scheduler
             assert not scheduler.requests, "scheduler kept aborted requests"
+        assert worker_request_ids(llm, mode) == [], "worker kept aborted requests"
         rss.append(_rss_bytes(mode))
     # 80 requests x 100 prompt rows x 2 KiB = 16 MiB per round if leaked.
     growth = rss[-1] - rss[1]
@@ -293,3 +311,38 @@ def test_aborts_leave_nothing_behind(main_engine, llama_fp32):
     check_output(
         out, llama_fp32, Expect(MAIN_RESOLVED), DTYPE, f"[{mode}] after aborts"
     )
+    assert worker_request_ids(llm, mode) == [], "worker kept a finished request"
+
+
+def test_n_children_keep_skip_reading_prefix_cache(main_engine):
+    """n>1: only the first child computes prompt states, but a user's
+    skip_reading_prefix_cache=True holds for every child (and only the child
+    with prompt states is forced past the cache)."""
+    from vllm import SamplingParams
+
+    llm, mode = main_engine
+    if mode != "inproc":
+        pytest.skip("reads the scheduler's requests: in-process engine only")
+    llm_engine = llm.llm_engine
+    scheduler = llm_engine.engine_core.engine_core.scheduler
+    expected = {True: [True, True, True], None: [True, False, False]}
+    for user_value, skips in expected.items():
+        params = SamplingParams(
+            n=3,
+            temperature=1.0,
+            max_tokens=4,
+            hidden_states={},
+            skip_reading_prefix_cache=user_value,
+        )
+        parent = f"skip-{user_value}"
+        llm_engine.add_request(parent, tokens_prompt(seeded_prompt(70, 40)), params)
+        children = sorted(
+            (r for r in scheduler.requests.values() if parent in r.request_id),
+            key=lambda r: r.request_id,
+        )
+        assert [r.skip_reading_prefix_cache for r in children] == skips, user_value
+        assert [r.sampling_params.skip_reading_prefix_cache for r in children] == [
+            bool(user_value)
+        ] * 3, "the user's setting was overwritten"
+        while llm_engine.has_unfinished_requests():
+            llm_engine.step()

@@ -45,7 +45,9 @@ def test_compiled_engines_in_turn_never_reuse_a_stale_graph(llama_fp32):
 
 def test_default_config_is_eagle3_layers_plus_last(llama_fp32):
     """`{}` selects the Eagle-3 set (2, L//2, L-3) plus L: for L=4, (2, 2, 1)
-    deduplicated to [2, 1], then 4."""
+    deduplicated to [2, 1], then 4; and the default per-request cap."""
+    from vllm import SamplingParams
+
     with engine(
         llama_fp32,
         "inproc",
@@ -53,8 +55,18 @@ def test_default_config_is_eagle3_layers_plus_last(llama_fp32):
         hidden_states_config={},
         enforce_eager=True,
     ) as llm:
-        resolved = llm.llm_engine.vllm_config.hidden_states_config.layers
-        assert resolved == [2, 1, 4]
+        hs_config = llm.llm_engine.vllm_config.hidden_states_config
+        assert hs_config.layers == [2, 1, 4]
+        resolved = hs_config.layers
+        # A per-request cap by default (2 GiB): 3000 samples of 499 rows of
+        # 3 x 128 fp32 values (1536 bytes) reach 2.3 GB and are refused before
+        # they enter the engine.
+        assert hs_config.max_bytes_per_request == 2 << 30
+        with pytest.raises(ValueError, match="max_bytes_per_request=2147483648"):
+            llm.generate(
+                [tokens_prompt(seeded_prompt(303, 12))],
+                SamplingParams(n=3000, max_tokens=500, hidden_states={}),
+            )
         prompt = seeded_prompt(301, 11)
         (out,) = llm.generate(
             [tokens_prompt(prompt)], greedy(4, hidden_states={}), use_tqdm=False
@@ -77,6 +89,19 @@ def test_bad_engine_config_fails_at_start(llama_fp32, config, match):
 
     with pytest.raises(Exception, match=match):
         LLM(llama_fp32, hidden_states_config=config, enforce_eager=True)
+
+
+def test_kv_sharing_fast_prefill_is_refused_at_start(llama_fp32):
+    """Fast prefill skips the upper layers of most prompt rows: no states."""
+    from vllm import LLM
+
+    with pytest.raises(ValueError, match="kv-sharing-fast-prefill"):
+        LLM(
+            llama_fp32,
+            hidden_states_config={"layers": [1]},
+            kv_sharing_fast_prefill=True,
+            enforce_eager=True,
+        )
 
 
 @pytest.fixture(scope="module")

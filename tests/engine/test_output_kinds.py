@@ -113,30 +113,62 @@ def test_output_kinds_async_llm(llama_fp32):
         enforce_eager=True,
         hidden_states_config={"layers": LAYERS},
     )
-    cases = [(kind, 1) for kind in KINDS] + [("DELTA", 2), ("CUMULATIVE", 2)]
+    # (kind, n, consumer delay): a slow DELTA consumer makes AsyncLLM merge
+    # outputs (RequestOutput.add) before it takes them.
+    cases = [(kind, 1, 0.0) for kind in KINDS] + [
+        ("DELTA", 2, 0.0),
+        ("CUMULATIVE", 2, 0.0),
+        ("DELTA", 1, 0.3),
+    ]
 
-    async def run() -> list[list]:
+    async def run() -> tuple[list[list], list[str]]:
         llm = AsyncLLM.from_engine_args(args)
         try:
 
-            async def one(i: int, kind: str, n: int) -> list:
+            async def one(i: int, kind: str, n: int, delay: float) -> list:
                 prompt = tokens_prompt(seeded_prompt(700 + i, 30 + 11 * i))
-                return [
-                    snapshot(out)
-                    async for out in llm.generate(
-                        prompt, _params(kind, n), request_id=str(uuid.uuid4())
-                    )
-                ]
+                outputs = []
+                async for out in llm.generate(
+                    prompt, _params(kind, n), request_id=str(uuid.uuid4())
+                ):
+                    outputs.append(snapshot(out))
+                    await asyncio.sleep(delay)
+                return outputs
 
-            return await asyncio.gather(
-                *(one(i, kind, n) for i, (kind, n) in enumerate(cases))
+            async def streaming_input() -> str:
+                """A resumable (streaming-input) request asking for states."""
+                from vllm.engine.protocol import StreamingInput
+
+                async def chunks():
+                    for k in range(2):
+                        prompt = tokens_prompt(seeded_prompt(750 + k, 10))
+                        yield StreamingInput(prompt=prompt)
+
+                params = _params("DELTA")
+                try:
+                    async for _ in llm.generate(
+                        chunks(), params, request_id=str(uuid.uuid4())
+                    ):
+                        pass
+                except Exception as e:  # the error of the input stream
+                    return f"{type(e).__name__}: {e}"
+                return "no error"
+
+            results = await asyncio.gather(
+                *(one(i, *case) for i, case in enumerate(cases)), streaming_input()
             )
+            return list(results[:-1]), [results[-1]]
         finally:
             llm.shutdown()
 
-    results = asyncio.run(run())
-    for (kind, n), outputs in zip(cases, results, strict=True):
-        check_stream(outputs, kind, n, llama_fp32, f"[async {kind} n={n}]")
+    results, (streaming_error,) = asyncio.run(run())
+    assert "streaming-input (resumable)" in streaming_error, streaming_error
+    for (kind, n, delay), outputs in zip(cases, results, strict=True):
+        what = f"[async {kind} n={n} delay={delay}]"
+        check_stream(outputs, kind, n, llama_fp32, what)
+        if delay:
+            num_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+            assert len(outputs) < num_tokens, f"{what}: no output was merged"
 
 
 @pytest.mark.parametrize("kind", KINDS)

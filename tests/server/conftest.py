@@ -77,8 +77,13 @@ class _Servers:
         server = self.servers.get(name)
         if server is None:
             config = HS_CONFIG if name == "hs" else None
+            # The worker probe answers the dev-mode /collective_rpc route.
+            probe = ["--worker-extension-cls", "vllm_hs.testing.ChannelStateProbe"]
             server = ServerProcess(
-                self.model_dir, self.log_dir / f"vllm-serve-{name}.log", config
+                self.model_dir,
+                self.log_dir / f"vllm-serve-{name}.log",
+                config,
+                extra_args=probe if name == "hs" else (),
             )
             self.servers[name] = server.start()
         return server

@@ -105,6 +105,8 @@ class ServerProcess:
         env.setdefault("TRANSFORMERS_OFFLINE", "1")
         # Engine tests in the same session flip this; a server runs the default.
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        # Dev-mode routes (/collective_rpc) let tests ask the worker what it holds.
+        env["VLLM_SERVER_DEV_MODE"] = "1"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
@@ -190,6 +192,25 @@ class ServerProcess:
             with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
                 total += process.memory_info().rss
         return total
+
+    def worker_request_ids(self, timeout: float = 10.0) -> list[str]:
+        """Requests the worker's hidden-state capturer still holds (the hs
+        server's `ChannelStateProbe`), polled until empty or `timeout`: the
+        engine core tells the worker of finished requests on its next step."""
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while True:
+            response = httpx.post(
+                f"{self.url}/collective_rpc",
+                json={"method": "hidden_states_request_ids"},
+                timeout=30,
+            )
+            response.raise_for_status()
+            ids = [i for r in response.json()["results"] for i in r]
+            if not ids or time.monotonic() > deadline:
+                return ids
+            time.sleep(0.1)
 
     def metric(self, name: str) -> float:
         """Sum of a Prometheus gauge/counter over its label sets."""

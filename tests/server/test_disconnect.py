@@ -1,5 +1,6 @@
 """Clients that drop a stream mid-way: the server aborts the requests, frees
-them (no running requests, no memory growth) and keeps answering correctly."""
+them (no running requests, nothing left in the worker, no memory growth) and
+keeps answering correctly."""
 
 from __future__ import annotations
 
@@ -110,6 +111,7 @@ def test_disconnects_free_requests(hs_server, served_model, model_dir):
     for i in range(WARMUP, WARMUP + DISCONNECTS):
         drop_stream(hs_server, served_model, i)
     waited = wait_idle(hs_server)
+    assert hs_server.worker_request_ids() == [], "the worker kept dropped requests"
     after = settled_rss(hs_server)
     growth = after - before
     assert growth < MAX_RSS_GROWTH, (
