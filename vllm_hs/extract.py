@@ -1627,15 +1627,6 @@ def run(args: argparse.Namespace) -> int:
     elif result.samples == 0:
         print("nothing was written: every conversation was skipped", file=sys.stderr)
         code = 1
-    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0":
-        # Every file is written and renamed by now. After the multiprocess
-        # engine has shut down, interpreter teardown aborts in native code
-        # ("terminate called without an active exception", SIGABRT) on these
-        # machines; the root cause is not found yet. Leave without teardown so
-        # the exit status is the job's.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
     return code
 
 

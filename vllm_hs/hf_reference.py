@@ -181,6 +181,19 @@ def _check_token_ids(token_ids: Sequence[int], vocab_size: int) -> list[int]:
     return ids
 
 
+#: Where HF causal LMs keep their decoder stack, its layers and its final norm.
+_INNER_MODEL_NAMES = ("model", "backbone", "transformer")
+_FINAL_NORM_NAMES = ("norm", "norm_f", "final_layernorm", "ln_f")
+
+
+def _find_attr(obj: Any, names: Sequence[str]) -> Any:
+    for name in names:
+        value = getattr(obj, name, None)
+        if value is not None:
+            return value
+    raise AttributeError(f"{type(obj).__name__} has none of {list(names)}")
+
+
 @torch.no_grad()
 def hf_hidden_states(
     model_dir: Path | str,
@@ -190,18 +203,47 @@ def hf_hidden_states(
     dtype: torch.dtype | str | None = None,
 ) -> torch.Tensor:
     """Hidden states ``[T, K, H]`` of ``token_ids`` at ``layers`` (module docstring
-    for the id convention), in the model's dtype, from one forward pass."""
+    for the id convention), in the model's dtype, from one forward pass.
+
+    Read with forward hooks, so any decoder stack works (hybrid and MoE models
+    included): id ``k < L`` is the ``hidden_states`` input of decoder layer
+    ``k``, ``L`` the input of the final norm and ``final_norm`` its output.
+    Where HF's ``output_hidden_states`` has ``L + 1`` entries they must agree
+    with the hooks exactly."""
     model = load_hf_model(model_dir, dtype)
-    num_layers = model.config.num_hidden_layers
-    ids = _check_token_ids(token_ids, model.config.vocab_size)
+    inner = _find_attr(model, _INNER_MODEL_NAMES)
+    decoder_layers = inner.layers
+    norm = _find_attr(inner, _FINAL_NORM_NAMES)
+    num_layers = model.config.get_text_config().num_hidden_layers
+    if len(decoder_layers) != num_layers:
+        raise RuntimeError(
+            f"{len(decoder_layers)} decoder layers for num_hidden_layers={num_layers}"
+        )
+    ids = _check_token_ids(token_ids, model.config.get_text_config().vocab_size)
     resolved = resolve_layer_ids(layers, num_layers)
 
-    captured: list[torch.Tensor] = []
+    captured: dict[LayerId, torch.Tensor] = {}
 
-    def pre_norm_hook(_module: Any, args: tuple[Any, ...]) -> None:
-        captured.append(args[0].detach())
+    def layer_input(k: int) -> Any:
+        def hook(_module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            value = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            captured.setdefault(k, value[0].detach().clone())
 
-    handle = model.model.norm.register_forward_pre_hook(pre_norm_hook)
+        return hook
+
+    def norm_input(_module: Any, args: tuple[Any, ...]) -> None:
+        captured.setdefault(num_layers, args[0][0].detach().clone())
+
+    def norm_output(_module: Any, _args: tuple[Any, ...], out: Any) -> None:
+        value = out[0] if isinstance(out, tuple) else out
+        captured.setdefault(FINAL_NORM, value[0].detach().clone())
+
+    handles = [
+        layer.register_forward_pre_hook(layer_input(k), with_kwargs=True)
+        for k, layer in enumerate(decoder_layers)
+    ]
+    handles.append(norm.register_forward_pre_hook(norm_input))
+    handles.append(norm.register_forward_hook(norm_output))
     try:
         out = model(
             input_ids=torch.tensor([ids], dtype=torch.long),
@@ -209,21 +251,20 @@ def hf_hidden_states(
             use_cache=False,
         )
     finally:
-        handle.remove()
-    hidden = out.hidden_states
-    if len(hidden) != num_layers + 1 or len(captured) != 1:
+        for handle in handles:
+            handle.remove()
+    if len(captured) != num_layers + 2:
         raise RuntimeError(
-            f"unexpected HF outputs: {len(hidden)} hidden states for {num_layers} "
-            f"layers, {len(captured)} final-norm inputs"
+            f"unexpected HF forward: captured {sorted(map(str, captured))} of "
+            f"{num_layers} layers, the final norm's input and output"
         )
-    columns = []
-    for layer in resolved:
-        if layer == FINAL_NORM:
-            columns.append(hidden[-1][0])
-        elif layer == num_layers:
-            columns.append(captured[0][0])
-        else:
-            columns.append(hidden[layer][0])
+    hidden = out.hidden_states
+    if hidden is not None and len(hidden) == num_layers + 1:
+        pairs = [(hidden[k][0], captured[k]) for k in range(num_layers)]
+        pairs.append((hidden[-1][0], captured[FINAL_NORM]))
+        if not all(torch.equal(a, b) for a, b in pairs):
+            raise RuntimeError("output_hidden_states disagrees with the layer hooks")
+    columns = [captured[layer] for layer in resolved]
     return torch.stack(columns, dim=1).contiguous()
 
 
