@@ -9,21 +9,19 @@ the same weights and greedy outputs are varied. Directories are cached under
 
 `ARCHITECTURES` is the conformance table: every architecture of vLLM 0.32.0
 that implements ``SupportsEagle3`` and that transformers can build offline,
-with the dtype vLLM's CPU backend runs it in, or the reason it is not checked
-here. README.md renders it as the "Architectures" table.
+plus those served by the generic capture (``generic=True``: no
+``SupportsEagle3``; ``GENERIC_CAPTURE_MODELS`` in the series), with the dtype
+vLLM's CPU backend runs them in. README.md's "Architectures" table says what
+each check found and which architectures cannot be checked here, and why.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_hs.tiny_model import COMPLETE_MARKER, _param_seed, _publish, cache_root
+from vllm_hs.tiny_model import _param_seed, build_cached
 
 __all__ = ["ARCHITECTURES", "ArchSpec", "build_architecture_model"]
 
@@ -69,8 +67,9 @@ class ArchSpec:
     fp32_tolerance: float | None = None
     """A looser float32 tolerance where vLLM's kernels differ from HF's
     (measured; still far below the ~0.3 error of a wrong row or layer)."""
-    skip: str = ""
-    """Why it is not checked against HF here, if it is not."""
+    generic: bool = False
+    """No SupportsEagle3 in vLLM: layers come from the generic capture of
+    the residual stream (`vllm.v1.hidden_states.generic`)."""
 
 
 #: name -> spec. Layer ids 0..L and "final_norm", prompt and output rows, are
@@ -171,6 +170,38 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         },
         dtype="bfloat16",
     ),
+    # Without SupportsEagle3: generic capture.
+    "mixtral": ArchSpec(
+        "MixtralConfig",
+        {"num_local_experts": 4, "num_experts_per_tok": 2},
+        generic=True,
+    ),
+    # vLLM ties the Gemma family's LM head to the embeddings.
+    "gemma": ArchSpec("GemmaConfig", {"tie_word_embeddings": True}, generic=True),
+    "gemma2": ArchSpec(
+        "Gemma2Config",
+        {
+            "sliding_window": 8,
+            "final_logit_softcapping": None,
+            "tie_word_embeddings": True,
+        },
+        generic=True,
+    ),
+    "gemma3": ArchSpec(
+        "Gemma3TextConfig",
+        {
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+            "final_logit_softcapping": None,
+            "tie_word_embeddings": True,
+        },
+        generic=True,
+    ),
+    "gpt2": ArchSpec(
+        "GPT2Config",
+        {"n_embd": 128, "n_layer": 3, "n_head": 4, "n_positions": 512},
+        generic=True,
+    ),
 }
 
 
@@ -188,22 +219,7 @@ def build_architecture_model(
         "config": {**_BASE, **spec.config},
         "dtype": spec.dtype,
     }
-    digest = hashlib.sha256(json.dumps(args, sort_keys=True).encode()).hexdigest()
-    models_dir = cache_root(cache_dir) / "models"
-    final = models_dir / f"arch-{name}-{digest[:12]}"
-    if (final / COMPLETE_MARKER).is_file():
-        return final
-    models_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=models_dir))
-    tmp.chmod(0o755)
-    try:
-        _write_model(tmp, args)
-        (tmp / COMPLETE_MARKER).write_text(json.dumps(args, sort_keys=True) + "\n")
-        _publish(tmp, final)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return build_cached(f"arch-{name}", args, _write_model, cache_dir)
 
 
 def _write_model(out: Path, args: dict[str, Any]) -> None:

@@ -183,6 +183,7 @@ def _check_token_ids(token_ids: Sequence[int], vocab_size: int) -> list[int]:
 
 #: Where HF causal LMs keep their decoder stack, its layers and its final norm.
 _INNER_MODEL_NAMES = ("model", "backbone", "transformer")
+_LAYER_LIST_NAMES = ("layers", "h")
 _FINAL_NORM_NAMES = ("norm", "norm_f", "final_layernorm", "ln_f")
 
 
@@ -212,7 +213,7 @@ def hf_hidden_states(
     with the hooks exactly."""
     model = load_hf_model(model_dir, dtype)
     inner = _find_attr(model, _INNER_MODEL_NAMES)
-    decoder_layers = inner.layers
+    decoder_layers = _find_attr(inner, _LAYER_LIST_NAMES)
     norm = _find_attr(inner, _FINAL_NORM_NAMES)
     num_layers = model.config.get_text_config().num_hidden_layers
     if len(decoder_layers) != num_layers:

@@ -55,6 +55,7 @@ import os
 import random
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,7 @@ __all__ = [
     "DTYPES",
     "FORMAT_VERSION",
     "SPECIAL_TOKENS",
+    "build_cached",
     "build_tiny_model",
     "cache_root",
     "tiny_model_info",
@@ -222,9 +224,21 @@ def build_tiny_model(
         "vocab_size": vocab_size,
         "max_position_embeddings": max_position_embeddings,
     }
+    return build_cached(f"{arch}-{dtype}", args, _write_model, cache_dir)
+
+
+def build_cached(
+    prefix: str,
+    args: dict[str, Any],
+    write: Callable[[Path, dict[str, Any]], None],
+    cache_dir: Path | None = None,
+) -> Path:
+    """``<cache root>/models/<prefix>-<hash of args>``, written by
+    ``write(directory, args)`` unless a complete build is already there (see
+    the module docstring: marker file, atomic publish, races)."""
     digest = hashlib.sha256(json.dumps(args, sort_keys=True).encode()).hexdigest()
     models_dir = cache_root(cache_dir) / "models"
-    final = models_dir / f"{arch}-{dtype}-{digest[:12]}"
+    final = models_dir / f"{prefix}-{digest[:12]}"
     if (final / COMPLETE_MARKER).is_file():
         return final
 
@@ -232,7 +246,7 @@ def build_tiny_model(
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=models_dir))
     tmp.chmod(0o755)  # mkdtemp makes it 0700; the published model is shareable
     try:
-        _write_model(tmp, args)
+        write(tmp, args)
         (tmp / COMPLETE_MARKER).write_text(json.dumps(args, sort_keys=True) + "\n")
         _publish(tmp, final)
     finally:

@@ -1,8 +1,10 @@
 """Architecture conformance: every layer id (0..L and "final_norm") of every
 architecture in `vllm_hs.architectures.ARCHITECTURES`, prompt and output rows
 of two batched requests, against HF transformers on the same weights, in the
-dtype vLLM's CPU backend runs the model in. In-process engine, eager: the
-capture itself is the model's code; the transport is tested elsewhere.
+dtype vLLM's CPU backend runs the model in. In-process engine, eager (the
+capture is the model's own code, or the generic capture for models without
+SupportsEagle3, which also runs compiled here); the transport is tested
+elsewhere.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ def _all_layer_ids(model_dir: str) -> list[int | str]:
     return [*range(num_layers.num_hidden_layers + 1), "final_norm"]
 
 
-def _generate(model_dir: str, dtype: str, layers: list[int | str]):
+def _generate(
+    model_dir: str, dtype: str, layers: list[int | str], enforce_eager: bool = True
+):
     prompts = [seeded_prompt(400, 13), seeded_prompt(401, 29)]
     with engine(
         model_dir,
@@ -37,9 +41,13 @@ def _generate(model_dir: str, dtype: str, layers: list[int | str]):
         dtype=dtype,
         skip_tokenizer_init=True,
         max_model_len=256,
-        enforce_eager=True,
+        enforce_eager=enforce_eager,
         hidden_states_config={"layers": layers},
     ) as llm:
+        config = llm.llm_engine.vllm_config
+        assert (config.compilation_config.mode == 0) == enforce_eager
+        generic = ARCHITECTURES[_name_of(model_dir)].generic
+        assert config.hidden_states_config.generic_capture == generic
         outputs = llm.generate(
             [tokens_prompt(p) for p in prompts],
             greedy(5, hidden_states={}, detokenize=False),
@@ -48,12 +56,27 @@ def _generate(model_dir: str, dtype: str, layers: list[int | str]):
     return prompts, outputs
 
 
+def _name_of(model_dir: str) -> str:
+    return next(n for n in ARCHITECTURES if f"arch-{n}-" in model_dir)
+
+
 @pytest.mark.parametrize("name", CHECKED)
 def test_every_layer_id_matches_hf(name: str) -> None:
+    _check_against_hf(name, enforce_eager=True)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "gemma3", "gpt2"])
+def test_generic_capture_in_the_compiled_engine(name: str) -> None:
+    """The generic capture writes static buffers from forward pre-hooks that
+    torch.compile traces into the graph: compiled rows equal HF's too."""
+    _check_against_hf(name, enforce_eager=False)
+
+
+def _check_against_hf(name: str, enforce_eager: bool) -> None:
     spec = ARCHITECTURES[name]
     model_dir = str(build_architecture_model(name))
     layers = _all_layer_ids(model_dir)
-    prompts, outputs = _generate(model_dir, spec.dtype, layers)
+    prompts, outputs = _generate(model_dir, spec.dtype, layers, enforce_eager)
     dtype = getattr(torch, spec.dtype)
     tolerance = TOLERANCES[dtype]
     if spec.fp32_tolerance is not None and dtype == torch.float32:

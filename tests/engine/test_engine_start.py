@@ -123,18 +123,62 @@ def gpt2_dir(tmp_path_factory) -> Path:
     return path
 
 
-def test_model_without_aux_support_fails_at_start(gpt2_dir):
+def _tiny_hf_model(tmp_path_factory, config_class: str, **config: object) -> Path:
+    import transformers
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp(config_class)
+    cfg = getattr(transformers, config_class)(vocab_size=512, **config)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    return path
+
+
+def test_model_without_layer_capture_fails_at_start(tmp_path_factory):
+    """OPT has neither SupportsEagle3 nor a verified generic capture."""
     from vllm import LLM
 
-    with pytest.raises(ValueError, match="GPT2LMHeadModel") as info:
+    opt_dir = _tiny_hf_model(
+        tmp_path_factory,
+        "OPTConfig",
+        hidden_size=128,
+        ffn_dim=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        word_embed_proj_dim=128,
+        max_position_embeddings=256,
+    )
+    with pytest.raises(ValueError, match="OPTForCausalLM") as info:
         LLM(
-            str(gpt2_dir),
+            str(opt_dir),
             skip_tokenizer_init=True,
             hidden_states_config={"layers": [1]},
             enforce_eager=True,
         )
     assert "SupportsEagle3" in str(info.value)
     assert "final_norm" in str(info.value)
+
+
+def test_layer_zero_on_the_transformers_backend_fails_at_start(tmp_path_factory):
+    """vLLM runs Phi-2 on its Transformers modeling backend, which records the
+    output of layer k-1 as id k: id 0 would crash the engine; it is refused."""
+    from vllm import LLM
+
+    phi_dir = _tiny_hf_model(
+        tmp_path_factory,
+        "PhiConfig",
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+    )
+    with pytest.raises(ValueError, match="Transformers modeling backend"):
+        LLM(
+            str(phi_dir),
+            skip_tokenizer_init=True,
+            hidden_states_config={"layers": [0, 1]},
+            enforce_eager=True,
+        )
 
 
 def test_final_norm_works_on_any_model(gpt2_dir):
