@@ -47,3 +47,39 @@ def test_channel_on_cuda(mode, dtype, tmp_path_factory):
         # GPU kernels (TF32, fused ops) differ from HF on CPU more than fp32
         # CPU kernels do: compare with the bf16 tolerance.
         run_cases(llm, cases, model_dir, dtype, f"[cuda {mode}]", torch.bfloat16)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "gpt2"])
+def test_generic_capture_with_cuda_graphs(name):
+    """Models without SupportsEagle3: the generic capture's static buffers
+    under torch.compile and CUDA graphs (full and piecewise), every layer id,
+    against HF."""
+    from transformers import AutoConfig
+
+    from vllm_hs.architectures import build_architecture_model
+
+    model_dir = str(build_architecture_model(name))
+    num_layers = AutoConfig.from_pretrained(model_dir).get_text_config()
+    layers = [*range(num_layers.num_hidden_layers + 1), "final_norm"]
+    with engine(
+        model_dir,
+        "mp",
+        skip_tokenizer_init=True,
+        dtype="float32",
+        hidden_states_config={"layers": layers},
+        max_num_batched_tokens=64,
+        gpu_memory_utilization=0.3,
+        kv_cache_memory_bytes=None,
+    ) as llm:
+        config = llm.llm_engine.vllm_config
+        assert config.hidden_states_config.generic_capture
+        assert config.compilation_config.cudagraph_mode != 0
+        cases = [
+            (
+                seeded_prompt(410 + i, 20 + 17 * i),
+                greedy(10, hidden_states={}, detokenize=False),
+                Expect(layers),
+            )
+            for i in range(3)
+        ]
+        run_cases(llm, cases, model_dir, "float32", f"[cuda {name}]", torch.bfloat16)
