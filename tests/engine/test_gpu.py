@@ -14,6 +14,12 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 
+# Engine options of every CUDA test: a small share of the GPU, vLLM's own KV
+# cache sizing (the harness default is the CPU one).
+CUDA_ENGINE = dict(
+    max_num_batched_tokens=64, gpu_memory_utilization=0.3, kv_cache_memory_bytes=None
+)
+
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -23,12 +29,7 @@ def test_channel_on_cuda(mode, dtype, tmp_path_factory):
     model_dir = str(build_tiny_model("llama", dtype))
     layers = [0, 2, -1, "final_norm"]
     with engine(
-        model_dir,
-        mode,
-        hidden_states_config={"layers": layers},
-        max_num_batched_tokens=64,
-        gpu_memory_utilization=0.3,
-        kv_cache_memory_bytes=None,
+        model_dir, mode, hidden_states_config={"layers": layers}, **CUDA_ENGINE
     ) as llm:
         config = llm.llm_engine.vllm_config
         assert not config.use_v2_model_runner, "hidden states must select MRV1"
@@ -67,9 +68,7 @@ def test_generic_capture_with_cuda_graphs(name):
         skip_tokenizer_init=True,
         dtype="float32",
         hidden_states_config={"layers": layers},
-        max_num_batched_tokens=64,
-        gpu_memory_utilization=0.3,
-        kv_cache_memory_bytes=None,
+        **CUDA_ENGINE,
     ) as llm:
         config = llm.llm_engine.vllm_config
         assert config.hidden_states_config.generic_capture
