@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from vllm_hs import apply as apply_module
+from vllm_hs import series as series_module
 from vllm_hs.apply import apply_series, read_marker
 from vllm_hs.cli import main
 from vllm_hs.series import (
@@ -259,3 +260,44 @@ def test_real_series_applies_to_pristine_vllm(
     outcome = apply_series(pristine_vllm_tree, REAL_SERIES_ROOT, check=True)
     assert outcome.changed_paths
     assert snapshot(pristine_vllm_tree / "vllm") == before
+
+
+def _fake_package(monkeypatch: pytest.MonkeyPatch, root: Path, packaged: bool) -> None:
+    package = root / "vllm_hs"
+    package.mkdir(parents=True)
+    (root / "patches").mkdir()
+    if packaged:
+        (package / "patches").mkdir()
+    monkeypatch.setattr(series_module, "__file__", str(package / "series.py"))
+
+
+def test_refresh_writes_to_the_source_checkout(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _fake_package(monkeypatch, tmp_path, packaged=False)
+    assert series_module.writable_series_root() == tmp_path / "patches"
+
+
+def test_refresh_never_writes_into_an_installed_package(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A wheel install ships the series inside the package: refresh must not
+    write there by default (the next install would silently drop it)."""
+    _fake_package(monkeypatch, tmp_path, packaged=True)
+    with pytest.raises(VllmHsError, match="--series-dir"):
+        series_module.writable_series_root()
+
+
+def test_series_dir_is_resolved_before_commands_change_directory(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import argparse
+
+    from vllm_hs.apply import add_series_dir_argument
+
+    monkeypatch.chdir(tmp_path)
+    parser = argparse.ArgumentParser()
+    add_series_dir_argument(parser)
+    assert parser.parse_args(["--series-dir", "patches"]).series_dir == (
+        tmp_path / "patches"
+    )

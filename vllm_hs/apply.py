@@ -89,7 +89,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def add_series_dir_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--series-dir",
-        type=Path,
+        type=lambda value: Path(value).resolve(),  # commands change directory
         metavar="DIR",
         default=None,
         help="folder holding one v<version>/ series folder per vLLM version "

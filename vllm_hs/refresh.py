@@ -23,10 +23,10 @@ from vllm_hs.gitrepo import Repo
 from vllm_hs.series import (
     SERIES_FILE,
     VllmHsError,
-    default_series_root,
     load_series,
     patch_headers,
     patch_subject,
+    writable_series_root,
 )
 from vllm_hs.stage import CONFIG_BASE, CONFIG_FROM, CONFIG_VERSION
 
@@ -129,7 +129,7 @@ def refresh(
     if not repo.git("rev-list", f"{base}..HEAD").strip():
         raise VllmHsError(f"HEAD of {tree} has no commits on top of {base}")
 
-    series_root = series_root or default_series_root()
+    series_root = series_root or writable_series_root()
     directory = series_root / f"v{version}"
     old_patches: dict[str, str] = {}
     old_status: dict[str | None, str | None] = {}

@@ -71,6 +71,21 @@ def default_series_root() -> Path:
     )
 
 
+def writable_series_root() -> Path:
+    """Where commands that write a series (refresh) write by default: the
+    source checkout's patches/, never the copy packaged inside an installed
+    vllm-hs (it would be lost on the next install)."""
+    package_dir = Path(__file__).resolve().parent
+    source = package_dir.parent / "patches"
+    if not (package_dir / "patches").is_dir() and source.is_dir():
+        return source
+    raise VllmHsError(
+        f"vllm-hs is installed from a wheel ({package_dir}): its packaged series is "
+        "not the place to write; pass --series-dir DIR (e.g. --series-dir patches "
+        "from the repository root)"
+    )
+
+
 def available_versions(series_root: Path) -> list[str]:
     """The vLLM versions that have a `v<version>/` folder under series_root."""
     if not series_root.is_dir():
