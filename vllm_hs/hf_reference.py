@@ -215,12 +215,13 @@ def hf_hidden_states(
     inner = _find_attr(model, _INNER_MODEL_NAMES)
     decoder_layers = _find_attr(inner, _LAYER_LIST_NAMES)
     norm = _find_attr(inner, _FINAL_NORM_NAMES)
-    num_layers = model.config.get_text_config().num_hidden_layers
+    text_config = model.config.get_text_config()
+    num_layers = text_config.num_hidden_layers
     if len(decoder_layers) != num_layers:
         raise RuntimeError(
             f"{len(decoder_layers)} decoder layers for num_hidden_layers={num_layers}"
         )
-    ids = _check_token_ids(token_ids, model.config.get_text_config().vocab_size)
+    ids = _check_token_ids(token_ids, text_config.vocab_size)
     resolved = resolve_layer_ids(layers, num_layers)
 
     captured: dict[LayerId, torch.Tensor] = {}

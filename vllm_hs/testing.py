@@ -9,7 +9,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -72,3 +73,17 @@ class ChannelStateProbe:
     def hidden_states_request_ids(self) -> list[str]:
         capturer = getattr(self.model_runner, "hidden_states_capturer", None)
         return [] if capturer is None else sorted(capturer.request_ids)
+
+
+def poll_until_empty(
+    fetch: Callable[[], list[str]], timeout: float = 10.0
+) -> list[str]:
+    """Call `fetch` until it returns an empty list or `timeout` seconds pass;
+    return its last answer (for state a worker drops on the engine's next
+    step, which comes asynchronously)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        items = fetch()
+        if not items or time.monotonic() > deadline:
+            return items
+        time.sleep(0.1)

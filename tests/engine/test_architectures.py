@@ -13,7 +13,7 @@ import pytest
 import torch
 from harness import engine, greedy, seeded_prompt, tokens_prompt
 
-from vllm_hs.architectures import ARCHITECTURES, build_architecture_model
+from vllm_hs.architectures import ARCHITECTURES, ArchSpec, build_architecture_model
 from vllm_hs.hf_reference import (
     TOLERANCES,
     Tolerance,
@@ -27,18 +27,18 @@ CHECKED = [name for name, spec in ARCHITECTURES.items() if name != "deepseek_v2"
 def _all_layer_ids(model_dir: str) -> list[int | str]:
     from transformers import AutoConfig
 
-    num_layers = AutoConfig.from_pretrained(model_dir).get_text_config()
-    return [*range(num_layers.num_hidden_layers + 1), "final_norm"]
+    text_config = AutoConfig.from_pretrained(model_dir).get_text_config()
+    return [*range(text_config.num_hidden_layers + 1), "final_norm"]
 
 
 def _generate(
-    model_dir: str, dtype: str, layers: list[int | str], enforce_eager: bool = True
+    model_dir: str, spec: ArchSpec, layers: list[int | str], enforce_eager: bool = True
 ):
     prompts = [seeded_prompt(400, 13), seeded_prompt(401, 29)]
     with engine(
         model_dir,
         "inproc",
-        dtype=dtype,
+        dtype=spec.dtype,
         skip_tokenizer_init=True,
         max_model_len=256,
         enforce_eager=enforce_eager,
@@ -46,18 +46,13 @@ def _generate(
     ) as llm:
         config = llm.llm_engine.vllm_config
         assert (config.compilation_config.mode == 0) == enforce_eager
-        generic = ARCHITECTURES[_name_of(model_dir)].generic
-        assert config.hidden_states_config.generic_capture == generic
+        assert config.hidden_states_config.generic_capture == spec.generic
         outputs = llm.generate(
             [tokens_prompt(p) for p in prompts],
             greedy(5, hidden_states={}, detokenize=False),
             use_tqdm=False,
         )
     return prompts, outputs
-
-
-def _name_of(model_dir: str) -> str:
-    return next(n for n in ARCHITECTURES if f"arch-{n}-" in model_dir)
 
 
 @pytest.mark.parametrize("name", CHECKED)
@@ -76,7 +71,7 @@ def _check_against_hf(name: str, enforce_eager: bool) -> None:
     spec = ARCHITECTURES[name]
     model_dir = str(build_architecture_model(name))
     layers = _all_layer_ids(model_dir)
-    prompts, outputs = _generate(model_dir, spec.dtype, layers, enforce_eager)
+    prompts, outputs = _generate(model_dir, spec, layers, enforce_eager)
     dtype = getattr(torch, spec.dtype)
     tolerance = TOLERANCES[dtype]
     if spec.fp32_tolerance is not None and dtype == torch.float32:
@@ -116,7 +111,7 @@ def test_deepseek_v2_every_layer_id_is_served_and_consistent() -> None:
     model_dir = str(build_architecture_model("deepseek_v2"))
     layers = _all_layer_ids(model_dir)
     num_layers = len(layers) - 2
-    prompts, outputs = _generate(model_dir, spec.dtype, layers)
+    prompts, outputs = _generate(model_dir, spec, layers)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
     embed = hf.get_input_embeddings().weight
     norm = hf.model.norm

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 
 import psutil
 import pytest
@@ -20,6 +19,7 @@ from harness import (
 )
 
 from vllm_hs.hf_reference import hf_greedy
+from vllm_hs.testing import poll_until_empty
 
 DTYPE = torch.float32
 
@@ -265,12 +265,9 @@ def worker_request_ids(llm, mode: str) -> list[str]:
     takes that step by itself (poll until it did); in-process, step once."""
     if mode == "inproc":
         llm.llm_engine.step()
-    deadline = time.monotonic() + 10.0
-    while True:
-        ids = [i for r in llm.collective_rpc("hidden_states_request_ids") for i in r]
-        if not ids or time.monotonic() > deadline:
-            return ids
-        time.sleep(0.1)
+    return poll_until_empty(
+        lambda: [i for r in llm.collective_rpc("hidden_states_request_ids") for i in r]
+    )
 
 
 def test_aborts_leave_nothing_behind(main_engine, llama_fp32):

@@ -199,18 +199,18 @@ class ServerProcess:
         engine core tells the worker of finished requests on its next step."""
         import httpx
 
-        deadline = time.monotonic() + timeout
-        while True:
+        from vllm_hs.testing import poll_until_empty
+
+        def fetch() -> list[str]:
             response = httpx.post(
                 f"{self.url}/collective_rpc",
                 json={"method": "hidden_states_request_ids"},
                 timeout=30,
             )
             response.raise_for_status()
-            ids = [i for r in response.json()["results"] for i in r]
-            if not ids or time.monotonic() > deadline:
-                return ids
-            time.sleep(0.1)
+            return [i for r in response.json()["results"] for i in r]
+
+        return poll_until_empty(fetch, timeout)
 
     def metric(self, name: str) -> float:
         """Sum of a Prometheus gauge/counter over its label sets."""
