@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from vllm_hs.triton_interpreter import interpreter_requested
+
 
 def patched_vllm_skip_reason() -> str:
     """'' when the importable vLLM has the hidden-state channel, else why not.
@@ -50,16 +52,38 @@ def engine(model_dir: str, mode: str = "inproc", **kwargs: Any) -> Iterator[Any]
         max_model_len=512,
         kv_cache_memory_bytes=64 << 20,
         seed=0,
+        worker_extension_cls=f"{__name__}.ChannelStateProbe",
     )
     options.update(kwargs)
+    if interpreter_requested():
+        # Triton's interpreter stands in for a compiler: nothing to compile.
+        options["enforce_eager"] = True
     llm = LLM(model_dir, **options)
     try:
+        check_model_runner(llm)
         yield llm
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
         cleanup_dist_env_and_memory()
+
+
+def expected_model_runner() -> str:
+    """ "v2" (Model Runner V2) when this process runs Triton's interpreter as a
+    CPU backend (`vllm_hs.triton_interpreter`, pytest --runner v2), else "v1"."""
+    return "v2" if interpreter_requested() else "v1"
+
+
+def check_model_runner(llm: Any) -> None:
+    """Fail unless every worker of `llm` runs the runner this test session is
+    for: a worker process that silently fell back to the other runner would
+    pass every row check while testing the wrong code. Needs the
+    `ChannelStateProbe` worker extension."""
+    expected = expected_model_runner()
+    kinds = llm.collective_rpc("model_runner_kind")
+    if any(kind != expected for kind in kinds):
+        raise AssertionError(f"workers run model runners {kinds}, expected {expected}")
 
 
 class ChannelStateProbe:
@@ -69,6 +93,12 @@ class ChannelStateProbe:
     server's dev-mode ``/collective_rpc``)."""
 
     model_runner: Any  # set by vLLM's worker
+
+    def model_runner_kind(self) -> str:
+        """ "v2" when this worker runs Model Runner V2, else "v1"."""
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner as ModelRunnerV2
+
+        return "v2" if isinstance(self.model_runner, ModelRunnerV2) else "v1"
 
     def hidden_states_request_ids(self) -> list[str]:
         capturer = getattr(self.model_runner, "hidden_states_capturer", None)

@@ -21,6 +21,8 @@ from harness import (
 from vllm_hs.hf_reference import hf_greedy
 from vllm_hs.testing import poll_until_empty
 
+pytestmark = pytest.mark.mrv2
+
 DTYPE = torch.float32
 
 

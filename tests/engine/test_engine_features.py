@@ -14,6 +14,7 @@ def _num_preemptions(llm) -> float:
     raise AssertionError("vllm:num_preemptions metric not found")
 
 
+@pytest.mark.mrv2
 @pytest.mark.parametrize("mode", MODES)
 def test_preemption_and_recompute(mode, llama_fp32):
     """A KV cache of 320 tokens for 6 requests of 80: requests are preempted
@@ -73,3 +74,57 @@ def test_qwen3_bf16(mode, qwen3_bf16):
         outputs = run_cases(llm, cases, qwen3_bf16, torch.bfloat16, f"[{mode}] req")
         assert outputs[0].prompt_hidden_states.dtype == torch.bfloat16
         assert outputs[1].outputs[0].hidden_states.dtype == torch.bfloat16
+
+
+PARALLEL_LAYERS = [0, 2, 3, "final_norm"]
+
+
+@pytest.mark.mrv2
+@pytest.mark.parametrize("parallel", ["tp2", "pp2"])
+def test_parallel_workers(parallel, llama_fp32, monkeypatch):
+    """Two CPU workers (multiprocess). Tensor parallel: only the output rank
+    captures, rows equal HF on both runners. Pipeline parallel (layers 0-1 on
+    the first stage, 2-3 and the final norm on the second): Model Runner V2
+    relays the first stage's ids to the last, where rows are captured; Model
+    Runner V1 cannot, and refuses the engine."""
+    from vllm_hs.testing import expected_model_runner
+
+    # Two workers on this one-NUMA-node machine: one core each.
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    size = {"tensor_parallel_size": 2} if parallel == "tp2" else {}
+    if parallel == "pp2":
+        size = {"pipeline_parallel_size": 2}
+        if expected_model_runner() == "v1":
+            with pytest.raises(Exception, match="pipeline parallelism needs Model"):
+                with engine(
+                    llama_fp32,
+                    "mp",
+                    dtype="float32",
+                    hidden_states_config={"layers": PARALLEL_LAYERS},
+                    **size,
+                ):
+                    pass
+            return
+    with engine(
+        llama_fp32,
+        "mp",
+        dtype="float32",
+        hidden_states_config={"layers": PARALLEL_LAYERS},
+        max_num_batched_tokens=32,
+        enforce_eager=True,
+        **size,
+    ) as llm:
+        cases = [
+            (
+                seeded_prompt(300, 50),
+                greedy(6, hidden_states={}),
+                Expect(PARALLEL_LAYERS),
+            ),
+            (seeded_prompt(301, 9), greedy(4), None),
+            (
+                seeded_prompt(302, 20),
+                greedy(5, hidden_states={"layers": [2, 0], "prompt": False}),
+                Expect([2, 0], prompt=False),
+            ),
+        ]
+        run_cases(llm, cases, llama_fp32, torch.float32, f"[{parallel}] req")

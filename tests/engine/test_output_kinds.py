@@ -15,6 +15,7 @@ import torch
 from harness import engine, seeded_prompt, tokens_prompt
 
 from vllm_hs.hf_reference import assert_states_close, hf_sequence_states
+from vllm_hs.testing import expected_model_runner
 
 LAYERS = [0, -1, "final_norm"]
 RESOLVED = [0, 4, "final_norm"]
@@ -98,6 +99,7 @@ def check_stream(outputs: list, kind: str, n: int, model_dir: str, what: str) ->
         )
 
 
+@pytest.mark.mrv2
 def test_output_kinds_async_llm(llama_fp32):
     """AsyncLLM.generate, as the server uses it (multiprocess engine)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -112,6 +114,7 @@ def test_output_kinds_async_llm(llama_fp32):
         max_num_batched_tokens=32,
         enforce_eager=True,
         hidden_states_config={"layers": LAYERS},
+        worker_extension_cls="vllm_hs.testing.ChannelStateProbe",
     )
     # (kind, n, consumer delay): a slow DELTA consumer makes AsyncLLM merge
     # outputs (RequestOutput.add) before it takes them.
@@ -124,6 +127,8 @@ def test_output_kinds_async_llm(llama_fp32):
     async def run() -> tuple[list[list], list[str]]:
         llm = AsyncLLM.from_engine_args(args)
         try:
+            kinds = await llm.collective_rpc("model_runner_kind")
+            assert kinds == [expected_model_runner()], kinds
 
             async def one(i: int, kind: str, n: int, delay: float) -> list:
                 prompt = tokens_prompt(seeded_prompt(700 + i, 30 + 11 * i))
@@ -171,6 +176,7 @@ def test_output_kinds_async_llm(llama_fp32):
             assert len(outputs) < num_tokens, f"{what}: no output was merged"
 
 
+@pytest.mark.mrv2
 @pytest.mark.parametrize("kind", KINDS)
 def test_output_kinds_llm_engine_inproc(llama_fp32, kind):
     """LLMEngine in-process (no serialization), stepping by hand."""

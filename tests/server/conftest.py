@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_hs.testing import patched_vllm_skip_reason
+from vllm_hs.testing import expected_model_runner, patched_vllm_skip_reason
 
 SKIP_REASON = patched_vllm_skip_reason()
 
@@ -122,7 +122,10 @@ def hs_server(request: pytest.FixtureRequest, _servers: _Servers) -> ServerProce
     server = _servers.launch("hs")
     if _session_uses(request, "plain_server"):
         _servers.launch("plain")  # start in parallel; waited for on first use
-    return server.wait_ready()
+    server.wait_ready()
+    kinds = server.collective_rpc("model_runner_kind")
+    assert kinds == [expected_model_runner()], f"hs server runs {kinds}"
+    return server
 
 
 @pytest.fixture(scope="session")

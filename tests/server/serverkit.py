@@ -193,22 +193,27 @@ class ServerProcess:
                 total += process.memory_info().rss
         return total
 
+    def collective_rpc(self, method: str) -> list[Any]:
+        """The workers' answers to a `ChannelStateProbe` method (hs server),
+        through the dev-mode /collective_rpc route."""
+        import httpx
+
+        response = httpx.post(
+            f"{self.url}/collective_rpc", json={"method": method}, timeout=30
+        )
+        response.raise_for_status()
+        return response.json()["results"]
+
     def worker_request_ids(self, timeout: float = 10.0) -> list[str]:
         """Requests the worker's hidden-state capturer still holds (the hs
         server's `ChannelStateProbe`), polled until empty or `timeout`: the
         engine core tells the worker of finished requests on its next step."""
-        import httpx
-
         from vllm_hs.testing import poll_until_empty
 
         def fetch() -> list[str]:
-            response = httpx.post(
-                f"{self.url}/collective_rpc",
-                json={"method": "hidden_states_request_ids"},
-                timeout=30,
-            )
-            response.raise_for_status()
-            return [i for r in response.json()["results"] for i in r]
+            return [
+                i for r in self.collective_rpc("hidden_states_request_ids") for i in r
+            ]
 
         return poll_until_empty(fetch, timeout)
 

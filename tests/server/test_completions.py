@@ -20,7 +20,10 @@ from serverkit import (
 
 PROMPT = "The small cat sat by the river and looked at the"
 
-pytestmark = pytest.mark.parametrize("stream", [False, True], ids=["full", "stream"])
+pytestmark = [
+    pytest.mark.parametrize("stream", [False, True], ids=["full", "stream"]),
+    pytest.mark.mrv2,
+]
 
 
 def complete(

@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 import httpx
+import pytest
 from serverkit import (
     Want,
     check,
@@ -102,6 +103,7 @@ def good_request(server: Any, model: str, model_dir: str, stream: bool) -> None:
     check(model_dir, got, Want(), f"after disconnects ({stream=})", stream=stream)
 
 
+@pytest.mark.mrv2
 def test_disconnects_free_requests(hs_server, served_model, model_dir):
     log_start = hs_server.log_path.stat().st_size
     for i in range(WARMUP):
