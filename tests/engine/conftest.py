@@ -8,7 +8,7 @@ multiprocess engine runs vLLM's default compiled (inductor) model, as users do.
 from __future__ import annotations
 
 import pytest
-from harness import BUDGET, CAP_BYTES, MAIN_LAYERS, MODES, engine
+from harness import BUDGET, CAP_BYTES, MAIN_LAYERS, MODES, PREFIX_STORE_BYTES, engine
 
 from vllm_hs.testing import patched_vllm_skip_reason
 from vllm_hs.tiny_model import build_tiny_model
@@ -48,6 +48,7 @@ def main_engine(request: pytest.FixtureRequest, llama_fp32: str):
         hidden_states_config={
             "layers": MAIN_LAYERS,
             "max_bytes_per_request": CAP_BYTES,
+            "prefix_cache_bytes": PREFIX_STORE_BYTES,
         },
         max_num_batched_tokens=BUDGET,
         max_num_seqs=8,

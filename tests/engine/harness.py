@@ -28,6 +28,8 @@ MAIN_RESOLVED: list[int | str] = [0, 2, 4, "final_norm"]
 ROW_BYTES = 4 * 128 * 4  # 4 layers x hidden 128 x fp32
 CAP_BYTES = 256 * ROW_BYTES
 BUDGET = 32  # max_num_batched_tokens: long prompts prefill in many chunks
+PREFIX_STORE_BLOCKS = 4  # rows of 32-token blocks the main engine keeps
+PREFIX_STORE_BYTES = PREFIX_STORE_BLOCKS * 32 * ROW_BYTES
 
 
 def greedy(max_tokens: int, **kwargs: Any) -> Any:

@@ -10,6 +10,7 @@ import torch
 from harness import (
     BUDGET,
     MAIN_RESOLVED,
+    PREFIX_STORE_BLOCKS,
     Expect,
     check_output,
     greedy,
@@ -70,22 +71,31 @@ def test_chunked_prefill(main_engine, llama_fp32):
 
 
 def test_prefix_caching(main_engine, llama_fp32):
-    """Shared prefixes and a repeated prompt: never short; prompt-state requests
-    skip reading the cache, output-only requests keep it."""
+    """Shared prefixes and a repeated prompt: never short. A prompt-state
+    request uses a prefix-cache hit when the engine holds the hit's rows
+    (published by an earlier request that captured them, any superset of its
+    layers) and recomputes otherwise (plain traffic stores no rows; evicted
+    rows); output-only requests always keep the hit."""
     llm, mode = main_engine
     prefix = seeded_prompt(10, 64)  # two full 32-token blocks
     first = prefix + seeded_prompt(11, 10)
     (warm,) = llm.generate([tokens_prompt(first)], greedy(4), use_tqdm=False)
     check_output(warm, llama_fp32, None, DTYPE, f"[{mode}] warm-up")
 
-    shared = prefix + seeded_prompt(12, 9)
-    (out,) = llm.generate(
-        [tokens_prompt(shared)], greedy(4, hidden_states={}), use_tqdm=False
-    )
-    assert out.num_cached_tokens == 0, "prompt-state request read the prefix cache"
-    check_output(out, llama_fp32, Expect(MAIN_RESOLVED), DTYPE, f"[{mode}] shared")
+    def states(prompt, expect, **hs):
+        (out,) = llm.generate(
+            [tokens_prompt(prompt)], greedy(4, hidden_states=hs), use_tqdm=False
+        )
+        check_output(out, llama_fp32, expect, DTYPE, f"[{mode}] {prompt[64:67]}")
+        return out.num_cached_tokens
 
-    output_only = prefix + seeded_prompt(13, 9)
+    # KV of the prefix is cached, its rows are not (the warm-up asked none).
+    assert states(prefix + seeded_prompt(12, 9), Expect(MAIN_RESOLVED)) == 0
+    # Now they are: a hit, served from the store, in another layer order.
+    layers = ["final_norm", 2]
+    assert states(prefix + seeded_prompt(13, 9), Expect(layers), layers=layers) == 64
+
+    output_only = prefix + seeded_prompt(14, 9)
     (out,) = llm.generate(
         [tokens_prompt(output_only)],
         greedy(6, hidden_states={"prompt": False}),
@@ -100,17 +110,14 @@ def test_prefix_caching(main_engine, llama_fp32):
         f"[{mode}] output-only over cached prefix",
     )
 
-    repeat = [
-        llm.generate(
-            [tokens_prompt(first)], greedy(3, hidden_states={}), use_tqdm=False
-        )[0]
-        for _ in range(2)
-    ]
-    for k, out in enumerate(repeat):
-        assert out.num_cached_tokens == 0
-        check_output(
-            out, llama_fp32, Expect(MAIN_RESOLVED), DTYPE, f"[{mode}] repeat {k}"
-        )
+    # Rows of PREFIX_STORE_BLOCKS other blocks evict the prefix's rows (the KV
+    # cache still holds its KV): the next hit is refused and recomputed.
+    for k in range(PREFIX_STORE_BLOCKS // 2):
+        states(seeded_prompt(20 + k, 64) + [9, 10], Expect(MAIN_RESOLVED))
+    assert states(prefix + seeded_prompt(15, 9), Expect(MAIN_RESOLVED)) == 0
+    # ... and stored again by that recompute.
+    for k in range(2):
+        assert states(first, Expect(MAIN_RESOLVED)) == 64, k
     (plain,) = llm.generate([tokens_prompt(first)], greedy(2), use_tqdm=False)
     assert plain.num_cached_tokens > 0, "prefix caching is not active in this engine"
 
@@ -314,9 +321,9 @@ def test_aborts_leave_nothing_behind(main_engine, llama_fp32):
 
 
 def test_n_children_keep_skip_reading_prefix_cache(main_engine):
-    """n>1: only the first child computes prompt states, but a user's
-    skip_reading_prefix_cache=True holds for every child (and only the child
-    with prompt states is forced past the cache)."""
+    """n>1: only the first child computes prompt states, and a user's
+    skip_reading_prefix_cache holds for every child as set (prompt states do
+    not force a skip: rows of a hit come from the prefix store)."""
     from vllm import SamplingParams
 
     llm, mode = main_engine
@@ -324,7 +331,7 @@ def test_n_children_keep_skip_reading_prefix_cache(main_engine):
         pytest.skip("reads the scheduler's requests: in-process engine only")
     llm_engine = llm.llm_engine
     scheduler = llm_engine.engine_core.engine_core.scheduler
-    expected = {True: [True, True, True], None: [True, False, False]}
+    expected = {True: [True, True, True], None: [False, False, False]}
     for user_value, skips in expected.items():
         params = SamplingParams(
             n=3,
