@@ -4,8 +4,10 @@ For each series (default: every `patches/v<X>/`):
 
 * series: every listed patch exists, no `*.patch` file is left unlisted;
 * header: a `[Tag] Subject` (vLLM's PR title style), a description, `Upstream-Status:`
-  (Pending | Submitted <url> | Accepted <url> | Not-for-upstream [reason]) and
-  `vLLM-Version: <X>`;
+  (Pending | Submitted <url> | Accepted <url> | Not-for-upstream [reason]),
+  `vLLM-Version: <X>`, a `Signed-off-by:` trailer (vLLM's DCO check) and, on a
+  fix proposed as its own PR rather than as part of the channel's,
+  `Upstream-PR: separate`;
 * apply: `git am` onto the sdist of X (no fuzz: git needs exact context), and the
   patch regenerated from the resulting commit has the same hunk positions (no
   offset: the patch was made against X, not against something nearby);
@@ -183,6 +185,14 @@ def header_problems(patch: Patch, version: str) -> list[str]:
         problems.append("no 'vLLM-Version:' field")
     elif target != version:
         problems.append(f"vLLM-Version {target} in the series for {version}")
+    if "Signed-off-by" not in patch.headers:
+        problems.append("no 'Signed-off-by:' trailer (vLLM's DCO check needs one)")
+    pr = patch.headers.get("Upstream-PR")
+    if pr is not None and pr != "separate":
+        problems.append(
+            f"Upstream-PR {pr!r}: the only value is 'separate' (a fix proposed "
+            "as its own PR; without the field a patch is part of the channel's PR)"
+        )
     return problems
 
 

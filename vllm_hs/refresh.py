@@ -1,11 +1,13 @@
 """`vllm-hs refresh`: write `patches/v<X>/` back from the commits of a staged branch.
 
 The quilt / gbp-pq loop: `vllm-hs stage`, edit the branch (amend, fixup + autosquash,
-reorder, add commits), `vllm-hs refresh`. Each commit becomes one patch
-(`git format-patch --zero-commit --no-signature --no-numbered`, so an unchanged
-commit gives a byte-identical file). The DEP-3-style header fields stay: a commit
-whose message lost `Upstream-Status:` gets the one its patch had (matched by
-subject), else `Pending`; `vLLM-Version:` is set to X, the release the branch is on.
+reorder, add commits), `vllm-hs refresh`. Each commit becomes one patch (`git
+format-patch --zero-commit --no-signature --no-numbered --abbrev=12`, so an
+unchanged commit gives a byte-identical file, in any clone). The DEP-3-style
+header fields stay: a commit whose message lost `Upstream-Status:` gets the one
+its patch had (matched by subject), else `Pending`; `vLLM-Version:` is set to X,
+the release the branch is on. Other trailers (`Signed-off-by:`, `Upstream-PR:`)
+are kept as they are in the commit.
 The series file keeps its comment lines and revision unless --revision says
 otherwise.
 """
@@ -30,7 +32,14 @@ from vllm_hs.series import (
 )
 from vllm_hs.stage import CONFIG_BASE, CONFIG_FROM, CONFIG_VERSION
 
-FORMAT_PATCH_OPTIONS = ("--zero-commit", "--no-signature", "--no-numbered")
+# A fixed abbreviation: git's default grows with the number of objects in the
+# repository, so the same branch would give other index lines in another clone.
+FORMAT_PATCH_OPTIONS = (
+    "--zero-commit",
+    "--no-signature",
+    "--no-numbered",
+    "--abbrev=12",
+)
 _TRAILER_RE = re.compile(r"^[A-Za-z][A-Za-z0-9-]*: \S")
 
 

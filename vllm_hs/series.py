@@ -22,7 +22,10 @@ MARKER_FILE = "vllm/_vllm_hs.json"
 
 _REVISION_RE = re.compile(r"\brevision\s+(\d+)\b")
 _DIFF_GIT_RE = re.compile(r"^diff --git a/(\S+) b/(\S+)$", re.MULTILINE)
-_HEADER_RE = re.compile(r"^(Upstream-Status|vLLM-Version):[ \t]*(.*)$", re.MULTILINE)
+_HEADER_RE = re.compile(
+    r"^(Upstream-Status|vLLM-Version|Upstream-PR|Signed-off-by):[ \t]*(.*)$",
+    re.MULTILINE,
+)
 _SUBJECT_RE = re.compile(r"^Subject: \[PATCH\] (.*(?:\n .*)*)", re.MULTILINE)
 _VERSION_RE = re.compile(r"""^__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""")
 
@@ -38,7 +41,9 @@ class Patch:
     sha256: str
     # Paths (relative to the tree root) that the diff reads or writes, in diff order.
     touched_paths: tuple[str, ...]
-    # DEP-3-style header lines of the mail body: "Upstream-Status", "vLLM-Version".
+    # Header lines of the mail body: DEP-3-style "Upstream-Status", "vLLM-Version",
+    # "Upstream-PR" (optional: "separate" marks a fix proposed as its own PR), and
+    # the DCO "Signed-off-by" (the last one, if several).
     headers: dict[str, str]
 
 

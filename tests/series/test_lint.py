@@ -36,8 +36,9 @@ def test_each_defect_is_reported(tmp_path: Path, sdist, capsys) -> None:
     config, params, scheduler = (
         next(directory.glob(f"{number}-*.patch")) for number in ("0001", "0002", "0004")
     )
-    # 0001: a header field gone; an added line that no longer compiles.
+    # 0001: two header fields gone; an added line that no longer compiles.
     _edit(config, "Upstream-Status: Pending\n", "")
+    config.write_text(re.sub(r"(?m)^Signed-off-by: .*\n", "", config.read_text()))
     _edit(
         config,
         "+        verify_hidden_states_config(self)\n",
@@ -59,7 +60,10 @@ def test_each_defect_is_reported(tmp_path: Path, sdist, capsys) -> None:
         flags=re.MULTILINE,
     )
     assert moved != text
-    scheduler.write_text(moved)
+    # ... and an Upstream-PR value lint does not know.
+    scheduler.write_text(
+        moved.replace("Upstream-Status:", "Upstream-PR: x\nUpstream-Status:", 1)
+    )
     # A patch file the series does not list.
     (directory / "0099-stray.patch").write_text(params.read_text())
 
@@ -74,6 +78,8 @@ def test_each_defect_is_reported(tmp_path: Path, sdist, capsys) -> None:
         )
 
     assert found(config, "header", "no 'Upstream-Status:' field"), findings
+    assert found(config, "header", "no 'Signed-off-by:' trailer"), findings
+    assert found(scheduler, "header", "Upstream-PR 'x'"), findings
     assert found(config, "compile", "vllm/config/vllm.py"), findings
     assert found(scheduler, "offset", "other line numbers"), findings
     assert found("0099-stray.patch", "series", "not listed"), findings
