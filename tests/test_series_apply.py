@@ -67,6 +67,33 @@ def test_apply_patches_files_and_writes_marker(
     }
 
 
+def test_unit_tests_of_the_series_go_into_source_trees_only(
+    series_builder: SeriesBuilder, tmp_path: Path
+) -> None:
+    """A patch that adds a vLLM unit test (tests/...) beside its module: an
+    install (site-packages, a wheel) gets the module only, a source tree both."""
+    test_file = "tests/v1/hidden_states/test_channel.py"
+    series_builder.commit(
+        "Add a module and its unit test",
+        {NEW_MODULE: "CHANNEL = 1\n", test_file: "def test_channel(): pass\n"},
+    )
+    root = tmp_path / "patches"
+    series_builder.write_series(root)
+
+    installed = series_builder.make_tree(tmp_path / "site-packages")
+    outcome = apply_series(installed, root)
+    assert (installed / NEW_MODULE).is_file()
+    assert not (installed / "tests").exists()
+    assert test_file not in json.loads((installed / MARKER_FILE).read_text())["files"]
+    assert outcome.changed_paths == (NEW_MODULE,)
+
+    source = series_builder.make_tree(tmp_path / "checkout")
+    (source / "pyproject.toml").write_text("[project]\nname = 'vllm'\n")
+    (source / "tests").mkdir()
+    apply_series(source, root)
+    assert (source / test_file).read_text() == "def test_channel(): pass\n"
+
+
 def test_check_changes_nothing(
     series_root: Path, tree: Path, snapshot: Snapshot
 ) -> None:

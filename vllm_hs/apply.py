@@ -137,12 +137,15 @@ def apply_series(
     _check_marker_allows(series, marker, tree, reverse=reverse)
 
     patches = list(reversed(series.patches)) if reverse else list(series.patches)
-    touched = series.touched_paths
+    # Patches may add vLLM unit tests (tests/...): they go into a source tree
+    # only, never into site-packages or a wheel.
+    source_tree = is_source_tree(tree)
+    touched = [p for p in series.touched_paths if source_tree or _installable(p)]
     with tempfile.TemporaryDirectory(prefix="vllm-hs-apply-") as scratch:
         stage = Path(scratch) / "stage"
         _copy_existing(tree, stage, touched)
         for patch in patches:
-            _git_apply(patch, stage, reverse=reverse)
+            _git_apply(patch, stage, reverse=reverse, package_only=not source_tree)
         changed = tuple(
             path
             for path in touched
@@ -205,10 +208,23 @@ def _copy_existing(tree: Path, stage: Path, paths: list[str]) -> None:
             shutil.copy2(source, stage / path)
 
 
-def _git_apply(patch: Patch, stage: Path, *, reverse: bool) -> None:
+def is_source_tree(tree: Path) -> bool:
+    """A vLLM source checkout or sdist (has its tests), not an install."""
+    return (tree / "pyproject.toml").is_file() and (tree / "tests").is_dir()
+
+
+def _installable(path: str) -> bool:
+    return path.startswith("vllm/")
+
+
+def _git_apply(
+    patch: Patch, stage: Path, *, reverse: bool, package_only: bool = False
+) -> None:
     command = ["git", "apply", "--whitespace=nowarn"]
     if reverse:
         command.append("--reverse")
+    if package_only:
+        command.append("--include=vllm/*")
     command.append(str(patch.path.resolve()))  # git runs in the stage, not here
     # The stage is not a git repository: keep git from finding one above it, or
     # from using one named by the caller's environment.

@@ -70,9 +70,18 @@ def engine(model_dir: str, mode: str = "inproc", **kwargs: Any) -> Iterator[Any]
 
 
 def expected_model_runner() -> str:
-    """ "v2" (Model Runner V2) when this process runs Triton's interpreter as a
-    CPU backend (`vllm_hs.triton_interpreter`, pytest --runner v2), else "v1"."""
-    return "v2" if interpreter_requested() else "v1"
+    """The model runner vLLM selects for this process's engines: the one
+    `VLLM_USE_V2_MODEL_RUNNER` forces, else "v2" (Model Runner V2) where Triton
+    runs (Triton's interpreter as a CPU backend, `vllm_hs.triton_interpreter`,
+    or CUDA), else "v1"."""
+    forced = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    if forced is not None:
+        return "v2" if forced.strip().lower() in ("1", "true") else "v1"
+    if interpreter_requested():
+        return "v2"
+    import torch
+
+    return "v2" if torch.cuda.is_available() else "v1"
 
 
 def check_model_runner(llm: Any) -> None:
@@ -95,7 +104,7 @@ class ChannelStateProbe:
     model_runner: Any  # set by vLLM's worker
 
     def model_runner_kind(self) -> str:
-        """ "v2" when this worker runs Model Runner V2, else "v1"."""
+        """Which model runner this worker runs: "v2" or "v1"."""
         from vllm.v1.worker.gpu.model_runner import GPUModelRunner as ModelRunnerV2
 
         return "v2" if isinstance(self.model_runner, ModelRunnerV2) else "v1"

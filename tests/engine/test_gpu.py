@@ -1,7 +1,8 @@
-"""The channel on CUDA: MRV1 selected, async scheduling (non-blocking D2H copy
-of the rows in `AsyncGPUModelRunnerOutput`) and CUDA graphs on, checked against
-HF. Skipped without CUDA; run it on a GPU machine with the patched CUDA wheel
-(`vllm-hs wheel --vllm vllm==0.32.0`)."""
+"""The channel on CUDA, on both model runners: Model Runner V2 (vLLM's GPU
+default: rows copied on `AsyncOutput`'s output copy stream) and V1 (forced:
+`AsyncGPUModelRunnerOutput`), with async scheduling and CUDA graphs on,
+checked against HF. Skipped without CUDA; run it on a GPU machine with the
+patched CUDA wheel (`vllm-hs wheel --vllm vllm==0.32.0`)."""
 
 from __future__ import annotations
 
@@ -21,21 +22,39 @@ CUDA_ENGINE = dict(
 )
 
 
+@pytest.fixture(params=["v2", "v1"])
+def runner(request, monkeypatch) -> str:
+    """The model runner of the test's engines (V2 is the default on CUDA)."""
+    import vllm.envs
+
+    flag = "1" if request.param == "v2" else "0"
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", flag)
+    vllm.envs.disable_envs_cache()  # an earlier in-process engine cached them
+    yield request.param
+    vllm.envs.disable_envs_cache()
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_channel_on_cuda(mode, dtype, tmp_path_factory):
+def test_channel_on_cuda(mode, dtype, runner):
     from vllm_hs.tiny_model import build_tiny_model
 
     model_dir = str(build_tiny_model("llama", dtype))
     layers = [0, 2, -1, "final_norm"]
     with engine(
-        model_dir, mode, hidden_states_config={"layers": layers}, **CUDA_ENGINE
+        model_dir,
+        mode,
+        hidden_states_config={"layers": layers},
+        enable_prefix_caching=True,
+        **CUDA_ENGINE,
     ) as llm:
         config = llm.llm_engine.vllm_config
-        assert not config.use_v2_model_runner, "hidden states must select MRV1"
+        assert config.use_v2_model_runner == (runner == "v2")
         assert config.scheduler_config.async_scheduling
         assert config.compilation_config.cudagraph_mode != 0
         resolved = [0, 2, 4, "final_norm"]
+        shared = seeded_prompt(403, 64)
+        what = f"[cuda {runner} {mode}]"
         cases = [
             (seeded_prompt(400, 150), greedy(12, hidden_states={}), Expect(resolved)),
             (seeded_prompt(401, 20), greedy(12), None),
@@ -44,14 +63,20 @@ def test_channel_on_cuda(mode, dtype, tmp_path_factory):
                 greedy(9, hidden_states={"layers": ["final_norm", 0], "prompt": False}),
                 Expect(["final_norm", 0], prompt=False),
             ),
+            (shared + [9, 10], greedy(5, hidden_states={}), Expect(resolved)),
         ]
         # GPU kernels (TF32, fused ops) differ from HF on CPU more than fp32
         # CPU kernels do: compare with the bf16 tolerance.
-        run_cases(llm, cases, model_dir, dtype, f"[cuda {mode}]", torch.bfloat16)
+        run_cases(llm, cases, model_dir, dtype, what, torch.bfloat16)
+        # The shared prefix's rows are stored now: a prefix-cache hit with
+        # prompt states, served from the store.
+        hit = [(shared + [11, 12], greedy(5, hidden_states={}), Expect(resolved))]
+        (out,) = run_cases(llm, hit, model_dir, dtype, f"{what} hit", torch.bfloat16)
+        assert out.num_cached_tokens > 0
 
 
 @pytest.mark.parametrize("name", ["mixtral", "gpt2"])
-def test_generic_capture_with_cuda_graphs(name):
+def test_generic_capture_with_cuda_graphs(name, runner):
     """Models without SupportsEagle3: the generic capture's static buffers
     under torch.compile and CUDA graphs (full and piecewise), every layer id,
     against HF."""
