@@ -128,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     variants = {"recompute": 0, "store": 1 << 30}
     t0 = time.perf_counter()
+    load_before = os.getloadavg()
     rounds = []
     for r in range(args.rounds):
         row: dict[str, Any] = {"round": r}
@@ -148,7 +149,14 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "suite": "prefix_store",
         "description": __doc__.split("\n\n")[0],
-        "settings": {**base, "rounds": args.rounds, "vllm": vllm.__version__},
+        "settings": {
+            **base,
+            "prompt_len": args.system_len + args.user_len,
+            "max_tokens": 1,
+            "rounds": args.rounds,
+            "vllm": vllm.__version__,
+        },
+        "load_average": {"before": load_before, "after": os.getloadavg()},
         "rounds": rounds,
         "summary": asdict(
             summarize(
