@@ -145,8 +145,9 @@ def test_refresh_after_an_edit_rewrites_that_patch_and_keeps_headers(
         "0.32.0", dest=tmp_path / "edit", sdist=sdist["0.32.0"], series_root=SERIES_ROOT
     )
     tree = staged.repo.path
+    # Patch 0002 (0011 edits params.py too).
     target = git(
-        tree, "log", "--format=%H", "-1", "--", "vllm/v1/hidden_states/params.py"
+        tree, "log", "--format=%H", "-1", "--grep", r"\[Core\] Add SamplingParams"
     )
     params = tree / "vllm/v1/hidden_states/params.py"
     params.write_text(params.read_text() + "\n# An edit made on the branch.\n")
