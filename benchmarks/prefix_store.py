@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from dataclasses import asdict
@@ -27,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import now, summarize
-from benchmarks.suites import MODELS, REPO_ROOT
+from benchmarks.suites import MODELS, REPO_ROOT, run_workload
 
 
 def _worker(spec: dict[str, Any]) -> dict[str, Any]:
@@ -83,23 +82,6 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
     return {"timings": timings, "loadavg": os.getloadavg()}
 
 
-def _run(spec: dict[str, Any]) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.prefix_store", "--worker", json.dumps(spec)],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line.removeprefix("RESULT "))
-    tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
-    raise RuntimeError(f"worker failed (exit {proc.returncode}):\n{tail}")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -113,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.worker:
-        print("RESULT " + json.dumps(_worker(json.loads(args.worker))), flush=True)
+        result = _worker(json.loads(args.worker))
+        print("WORKLOAD_RESULT " + json.dumps(result), flush=True)
         return 0
 
     import vllm
@@ -133,7 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.rounds):
         row: dict[str, Any] = {"round": r}
         for name, capacity in variants.items():
-            row[name] = _run({**base, "prefix_cache_bytes": capacity})
+            row[name] = run_workload(
+                sys.executable,
+                {**base, "prefix_cache_bytes": capacity},
+                module="benchmarks.prefix_store",
+                flags=("--worker",),
+            )
         times = {
             name: min(t["seconds"] for t in row[name]["timings"]) for name in variants
         }

@@ -104,7 +104,14 @@ def engine_kwargs(settings: Settings, layers: list[Any] | None) -> dict[str, Any
     return kwargs
 
 
-def run_workload(python: str, spec: dict[str, Any]) -> dict[str, Any]:
+def run_workload(
+    python: str,
+    spec: dict[str, Any],
+    module: str = "benchmarks.workload",
+    flags: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """Run `python -m module *flags '<spec json>'` and return the JSON it
+    prints on its `WORKLOAD_RESULT ` line."""
     env = {
         **os.environ,
         "PYTHONPATH": str(REPO_ROOT),
@@ -112,7 +119,7 @@ def run_workload(python: str, spec: dict[str, Any]) -> dict[str, Any]:
         **spec.get("env", {}),
     }
     proc = subprocess.run(
-        [python, "-m", "benchmarks.workload", json.dumps(spec)],
+        [python, "-m", module, *flags, json.dumps(spec)],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,
