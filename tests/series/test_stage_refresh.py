@@ -145,11 +145,10 @@ def test_refresh_after_an_edit_rewrites_that_patch_and_keeps_headers(
         "0.32.0", dest=tmp_path / "edit", sdist=sdist["0.32.0"], series_root=SERIES_ROOT
     )
     tree = staged.repo.path
-    # Patch 0002 (0011 edits params.py too).
-    target = git(
-        tree, "log", "--format=%H", "-1", "--grep", r"\[Core\] Add SamplingParams"
-    )
-    params = tree / "vllm/v1/hidden_states/params.py"
+    # A file only patch 0002 touches (an edit of a file later patches touch too
+    # changes their index lines as well).
+    params = tree / "vllm/sampling_params.py"
+    target = git(tree, "log", "--format=%H", "-1", "--", "vllm/sampling_params.py")
     params.write_text(params.read_text() + "\n# An edit made on the branch.\n")
     git(tree, "commit", "-qa", f"--fixup={target.strip()}")
     git(tree, "rebase", "-q", "-i", "--autosquash", "v0.32.0")
