@@ -74,9 +74,11 @@ def expected_model_runner() -> str:
     `VLLM_USE_V2_MODEL_RUNNER` forces, else "v2" (Model Runner V2) where Triton
     runs (Triton's interpreter as a CPU backend, `vllm_hs.triton_interpreter`,
     or CUDA), else "v1"."""
-    forced = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    from vllm.envs import maybe_convert_bool  # vLLM's own reading of the flag
+
+    forced = maybe_convert_bool(os.environ.get("VLLM_USE_V2_MODEL_RUNNER"))
     if forced is not None:
-        return "v2" if forced.strip().lower() in ("1", "true") else "v1"
+        return "v2" if forced else "v1"
     if interpreter_requested():
         return "v2"
     import torch

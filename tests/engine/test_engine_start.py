@@ -227,35 +227,31 @@ def test_model_runner_v1_can_still_be_forced(llama_fp32, monkeypatch):
     interpreter), an engine with the channel runs on it, and a user can still
     force V1 (VLLM_USE_V2_MODEL_RUNNER=0): rows equal HF there too."""
     import vllm.envs
-    from vllm import LLM
 
     from vllm_hs.testing import expected_model_runner
 
     if expected_model_runner() == "v1":
         pytest.skip("the V1 session runs every test on V1 already")
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     vllm.envs.disable_envs_cache()  # an earlier in-process engine cached them
     layers = [1, "final_norm"]
-    llm = LLM(
-        llama_fp32,
-        dtype="float32",
-        hidden_states_config={"layers": layers},
-        max_model_len=256,
-        kv_cache_memory_bytes=32 << 20,
-        enforce_eager=True,
-        worker_extension_cls="vllm_hs.testing.ChannelStateProbe",
-    )
     try:
-        assert llm.collective_rpc("model_runner_kind") == ["v1"]
-        run_cases(
-            llm,
-            [(seeded_prompt(40, 30), greedy(4, hidden_states={}), Expect(layers))],
+        # engine() checks the workers run the runner the environment forces.
+        with engine(
             llama_fp32,
-            torch.float32,
-            "forced V1",
-        )
+            "inproc",
+            dtype="float32",
+            hidden_states_config={"layers": layers},
+            max_model_len=256,
+            kv_cache_memory_bytes=32 << 20,
+        ) as llm:
+            assert llm.collective_rpc("model_runner_kind") == ["v1"]
+            run_cases(
+                llm,
+                [(seeded_prompt(40, 30), greedy(4, hidden_states={}), Expect(layers))],
+                llama_fp32,
+                torch.float32,
+                "forced V1",
+            )
     finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
         vllm.envs.disable_envs_cache()
