@@ -1,6 +1,6 @@
-"""The `vllm-hs` command line: one subcommand per module, vLLM style.
+"""The `vllm-hs` command line: parser assembly, shared options, exit codes, logging.
 
-Adding a subcommand: write a module with
+One subcommand per module, vLLM style. Adding a subcommand: write a module with
 
     def add_parser(subparsers: argparse._SubParsersAction) -> None:
         parser = subparsers.add_parser("name", help="...", description="...")
@@ -10,20 +10,30 @@ Adding a subcommand: write a module with
 and list it in SUBCOMMAND_MODULES. `run` returns the exit status and raises
 VllmHsError for failures the user should read as one message. Every listed module
 is imported to build `--help`, so import heavy dependencies (vllm, torch) inside
-`run`, not at module level. A listed module that does not exist yet is skipped.
+`run`, not at module level.
+
+Messages go through `logging` (logger ``vllm_hs.<module>``, shown on stderr as
+``vllm-hs: <message>``); stdout carries only a command's result (a path, a report,
+JSON).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 import textwrap
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from vllm_hs import __version__
-from vllm_hs.series import VllmHsError
+from vllm_hs.errors import VllmHsError
+
+EXIT_OK = 0
+EXIT_ERROR = 1  # a VllmHsError: one message on stderr
+EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
 
 SUBCOMMAND_MODULES: tuple[str, ...] = (
     "vllm_hs.apply",
@@ -31,7 +41,6 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "vllm_hs.status",
     "vllm_hs.demo",
     "vllm_hs.extract",
-    "vllm_hs.bench",
     "vllm_hs.stage",
     "vllm_hs.refresh",
     "vllm_hs.lint",
@@ -82,25 +91,43 @@ def build_parser() -> argparse.ArgumentParser:
         title="commands", dest="command", metavar="<command>", required=True
     )
     for module_name in SUBCOMMAND_MODULES:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as error:
-            if error.name == module_name:
-                continue  # not written yet
-            raise
-        module.add_parser(subparsers)
+        importlib.import_module(module_name).add_parser(subparsers)
     return parser
+
+
+def add_series_dir_option(parser: argparse.ArgumentParser) -> None:
+    """`--series-dir DIR`, shared by every command that reads a patch series."""
+    parser.add_argument(
+        "--series-dir",
+        type=lambda value: Path(value).resolve(),  # commands change directory
+        metavar="DIR",
+        default=None,
+        help="folder holding one v<version>/ series folder per vLLM version "
+        "(default: the series shipped with this vllm-hs)",
+    )
+
+
+def configure_logging(level: int = logging.INFO) -> None:
+    """Show vllm_hs's log records on stderr as ``vllm-hs: <message>`` (once)."""
+    logger = logging.getLogger("vllm_hs")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("vllm-hs: %(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
+    logger.setLevel(level)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    configure_logging()
     try:
-        return int(args.handler(args) or 0)
+        return int(args.handler(args) or EXIT_OK)
     except VllmHsError as error:
         print(f"vllm-hs {args.command}: error: {error}", file=sys.stderr)
-        return 1
+        return EXIT_ERROR
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from vllm_hs.errors import VllmHsError
+
 SERIES_FILE = "series"
 VERSION_FILE = "vllm/_version.py"
 MARKER_FILE = "vllm/_vllm_hs.json"
@@ -28,10 +30,6 @@ _HEADER_RE = re.compile(
 )
 _SUBJECT_RE = re.compile(r"^Subject: \[PATCH\] (.*(?:\n .*)*)", re.MULTILINE)
 _VERSION_RE = re.compile(r"""^__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""")
-
-
-class VllmHsError(Exception):
-    """A failure to report to the user as one clear message (no traceback)."""
 
 
 @dataclass(frozen=True)
