@@ -87,17 +87,19 @@ def atomic_write_json(target: Path, value: Any) -> None:
 
 
 def atomic_copy(source: Path, target: Path, *, link: bool = False) -> None:
-    """Make `target` a copy of `source` (a hard link when `link` and the file
-    system allows it), atomically."""
+    """Make `target` a copy of `source` (a hard link, sharing the source's mode,
+    when `link` and the file system allows it), atomically."""
+    if link:
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.link")
+        tmp.unlink(missing_ok=True)
+        try:
+            os.link(source, tmp)
+        except OSError:
+            pass  # another file system, or no links: copy
+        else:
+            os.replace(tmp, target)
+            return
     with atomic_path(target) as tmp:
-        if link:
-            tmp.unlink()
-            try:
-                os.link(source, tmp)
-                os.replace(tmp, target)
-                return
-            except OSError:
-                pass
         shutil.copyfile(source, tmp)
 
 

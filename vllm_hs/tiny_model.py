@@ -40,24 +40,24 @@ Conventions:
   even when the content starts with newlines).
   See `ASSISTANT_MASK_DOC`.
 * **Cache.** ``<root>/models/<arch>-<dtype>-<hash>``, root = ``cache_dir`` or
-  ``$VLLM_HS_CACHE`` or ``~/.cache/vllm-hs``; hash = first 12 hex digits of the
+  vllm-hs's cache (`vllm_hs.fs.cache_root`); hash = first 12 hex digits of the
   SHA-256 of all arguments and `FORMAT_VERSION`. A directory counts as complete
   only when it holds `COMPLETE_MARKER`. Builds go to a temporary sibling and are
-  published with one ``os.rename``; when two processes race, the loser discards its
-  copy and returns the winner's.
+  published with one ``os.rename`` (`vllm_hs.fs.publish_dir`); when two processes
+  race, the loser discards its copy and returns the winner's.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
-import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from vllm_hs import fs
+from vllm_hs.fs import publish_dir, staging_dir
 
 __all__ = [
     "ARCHES",
@@ -70,6 +70,7 @@ __all__ = [
     "build_cached",
     "build_tiny_model",
     "cache_root",
+    "param_seed",
     "tiny_model_info",
 ]
 
@@ -153,14 +154,8 @@ _PUNCT = (".", ".", ".", "?", "!", ",", ";", ":")
 
 
 def cache_root(cache_dir: Path | str | None = None) -> Path:
-    """Return the cache root: `cache_dir`, else ``$VLLM_HS_CACHE``, else
-    ``~/.cache/vllm-hs``."""
-    if cache_dir is not None:
-        return Path(cache_dir)
-    env = os.environ.get("VLLM_HS_CACHE")
-    if env:
-        return Path(env)
-    return Path.home() / ".cache" / "vllm-hs"
+    """The cache root: `cache_dir`, else vllm-hs's (`vllm_hs.fs.cache_root`)."""
+    return Path(cache_dir) if cache_dir is not None else fs.cache_root()
 
 
 def build_tiny_model(
@@ -241,47 +236,11 @@ def build_cached(
     final = models_dir / f"{prefix}-{digest[:12]}"
     if (final / COMPLETE_MARKER).is_file():
         return final
-
-    models_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=models_dir))
-    tmp.chmod(0o755)  # mkdtemp makes it 0700; the published model is shareable
-    try:
+    with staging_dir(models_dir, final.name) as tmp:
         write(tmp, args)
         (tmp / COMPLETE_MARKER).write_text(json.dumps(args, sort_keys=True) + "\n")
-        _publish(tmp, final)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        publish_dir(tmp, final, complete=COMPLETE_MARKER)
     return final
-
-
-def _publish(tmp: Path, final: Path) -> None:
-    """Atomically move the finished build `tmp` to `final`.
-
-    If another process published `final` first, keep theirs (ours is removed by
-    the caller). A `final` without the marker (not produced by this module) is
-    moved aside and replaced.
-    """
-    try:
-        os.rename(tmp, final)
-        return
-    except OSError:
-        if not final.exists():
-            raise
-    if (final / COMPLETE_MARKER).is_file():
-        return
-    stale = Path(tempfile.mkdtemp(prefix=f".stale-{final.name}-", dir=final.parent))
-    try:
-        os.rename(final, stale / "old")
-    except FileNotFoundError:
-        pass
-    try:
-        os.rename(tmp, final)
-    except OSError:
-        if not (final / COMPLETE_MARKER).is_file():
-            raise
-    finally:
-        shutil.rmtree(stale, ignore_errors=True)
 
 
 def _write_model(out: Path, args: dict[str, Any]) -> None:
@@ -328,7 +287,7 @@ def _write_model(out: Path, args: dict[str, Any]) -> None:
         raise RuntimeError(f"config.json dtype is not {args['dtype']}: {config_json}")
 
 
-def _param_seed(seed: int, name: str) -> int:
+def param_seed(seed: int, name: str) -> int:
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
@@ -339,7 +298,7 @@ def _redraw_weights(model: Any, seed: int) -> None:
 
     with torch.no_grad():
         for name, param in model.named_parameters():
-            gen = torch.Generator(device="cpu").manual_seed(_param_seed(seed, name))
+            gen = torch.Generator(device="cpu").manual_seed(param_seed(seed, name))
             module_name = name.rsplit(".", 2)[-2] if name.count(".") else ""
             noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
             if "norm" in module_name:

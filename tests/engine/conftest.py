@@ -8,9 +8,16 @@ multiprocess engine runs vLLM's default compiled (inductor) model, as users do.
 from __future__ import annotations
 
 import pytest
-from harness import BUDGET, CAP_BYTES, MAIN_LAYERS, MODES, PREFIX_STORE_BYTES, engine
 
 from vllm_hs.testing import patched_vllm_skip_reason
+from vllm_hs.testing.harness import (
+    BUDGET,
+    CAP_BYTES,
+    MAIN_LAYERS,
+    MODES,
+    PREFIX_STORE_BYTES,
+    engine,
+)
 from vllm_hs.tiny_model import build_tiny_model
 
 SKIP_REASON = patched_vllm_skip_reason()

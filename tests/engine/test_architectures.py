@@ -1,5 +1,5 @@
 """Architecture conformance: every layer id (0..L and "final_norm") of every
-architecture in `vllm_hs.architectures.ARCHITECTURES`, prompt and output rows
+architecture in `vllm_hs.testing.architectures.ARCHITECTURES`, prompt and output rows
 of two batched requests, against HF transformers on the same weights, in the
 dtype vLLM's CPU backend runs the model in. In-process engine, eager (the
 capture is the model's own code, or the generic capture for models without
@@ -11,15 +11,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import engine, greedy, seeded_prompt, tokens_prompt
 
-from vllm_hs.architectures import ARCHITECTURES, ArchSpec, build_architecture_model
 from vllm_hs.hf_reference import (
     TOLERANCES,
     Tolerance,
     assert_states_close,
     hf_sequence_states,
 )
+from vllm_hs.testing.architectures import (
+    ARCHITECTURES,
+    ArchSpec,
+    build_architecture_model,
+)
+from vllm_hs.testing.harness import engine, greedy, seeded_prompt, tokens_prompt
 
 CHECKED = [name for name, spec in ARCHITECTURES.items() if name != "deepseek_v2"]
 # Also checked on Model Runner V2: MoE, a hybrid (Mamba state in MRV2's model

@@ -7,7 +7,10 @@ import os
 import psutil
 import pytest
 import torch
-from harness import (
+
+from vllm_hs.hf_reference import hf_greedy
+from vllm_hs.testing import poll_until_empty
+from vllm_hs.testing.harness import (
     BUDGET,
     MAIN_RESOLVED,
     PREFIX_STORE_BLOCKS,
@@ -18,9 +21,6 @@ from harness import (
     seeded_prompt,
     tokens_prompt,
 )
-
-from vllm_hs.hf_reference import hf_greedy
-from vllm_hs.testing import poll_until_empty
 
 pytestmark = pytest.mark.mrv2
 

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import MODES, Expect, engine, greedy, run_cases, seeded_prompt
+
+from vllm_hs.testing.harness import (
+    MODES,
+    Expect,
+    engine,
+    greedy,
+    run_cases,
+    seeded_prompt,
+)
 
 
 def _num_preemptions(llm) -> float:

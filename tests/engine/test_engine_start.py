@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import (
+
+from vllm_hs.hf_reference import hf_greedy
+from vllm_hs.testing.harness import (
     Expect,
     check_output,
     engine,
@@ -16,8 +18,6 @@ from harness import (
     seeded_prompt,
     tokens_prompt,
 )
-
-from vllm_hs.hf_reference import hf_greedy
 
 
 def test_compiled_engines_in_turn_never_reuse_a_stale_graph(llama_fp32):

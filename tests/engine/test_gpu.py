@@ -8,7 +8,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import MODES, Expect, engine, greedy, run_cases, seeded_prompt
+
+from vllm_hs.testing.harness import (
+    MODES,
+    Expect,
+    engine,
+    greedy,
+    run_cases,
+    seeded_prompt,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -82,7 +90,7 @@ def test_generic_capture_with_cuda_graphs(name, runner):
     against HF."""
     from transformers import AutoConfig
 
-    from vllm_hs.architectures import build_architecture_model
+    from vllm_hs.testing.architectures import build_architecture_model
 
     model_dir = str(build_architecture_model(name))
     num_layers = AutoConfig.from_pretrained(model_dir).get_text_config()

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from harness import engine, greedy, seeded_prompt, tokens_prompt
 from safetensors.torch import load_file
 
 from vllm_hs.hf_reference import assert_states_close, hf_hidden_states
+from vllm_hs.testing.harness import engine, greedy, seeded_prompt, tokens_prompt
 
 LAYERS = [1, 2, 3]
 

@@ -12,10 +12,10 @@ from collections import defaultdict
 
 import pytest
 import torch
-from harness import engine, seeded_prompt, tokens_prompt
 
 from vllm_hs.hf_reference import assert_states_close, hf_sequence_states
 from vllm_hs.testing import expected_model_runner
+from vllm_hs.testing.harness import engine, seeded_prompt, tokens_prompt
 
 LAYERS = [0, -1, "final_norm"]
 RESOLVED = [0, 4, "final_norm"]

@@ -18,12 +18,8 @@ from vllm_hs.testing import expected_model_runner, patched_vllm_skip_reason
 
 SKIP_REASON = patched_vllm_skip_reason()
 
-from serverkit import HS_CONFIG, ServerProcess  # noqa: E402
-
+from vllm_hs.testing.server import HS_CONFIG, ServerProcess  # noqa: E402
 from vllm_hs.tiny_model import build_tiny_model  # noqa: E402
-
-# Tests without a server (and without the need for a patched vLLM server).
-NO_SERVER_MODULES = ("test_client_unit.py",)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -33,8 +29,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _is_server_test(item: pytest.Item) -> bool:
-    path = item.nodeid.split("::", 1)[0]
-    return "tests/server/" in path and not path.endswith(NO_SERVER_MODULES)
+    return item.nodeid.startswith("tests/server/")
 
 
 _LAST_SERVER_TEST: list[str] = []  # node id of the last server test to run

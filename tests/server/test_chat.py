@@ -11,7 +11,14 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
-from serverkit import Collected, Want, check, collect_response, collect_stream
+
+from vllm_hs.testing.server import (
+    Collected,
+    Want,
+    check,
+    collect_response,
+    collect_stream,
+)
 
 MESSAGES = [
     {"role": "system", "content": "You are a tiny test model."},

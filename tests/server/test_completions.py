@@ -7,7 +7,9 @@ from typing import Any
 
 import pytest
 import torch
-from serverkit import (
+
+from vllm_hs.testing.harness import seeded_prompt
+from vllm_hs.testing.server import (
     HIDDEN,
     Collected,
     Want,
@@ -15,7 +17,6 @@ from serverkit import (
     collect_response,
     collect_stream,
     get,
-    seeded_prompt,
 )
 
 PROMPT = "The small cat sat by the river and looked at the"

@@ -6,13 +6,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from serverkit import (
+from vllm_hs.testing.harness import seeded_prompt
+from vllm_hs.testing.server import (
     Collected,
     Want,
     check,
     collect_response,
     collect_stream,
-    seeded_prompt,
 )
 
 # (hidden_states of the request, what it asked for)

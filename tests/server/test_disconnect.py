@@ -9,12 +9,13 @@ from typing import Any
 
 import httpx
 import pytest
-from serverkit import (
+
+from vllm_hs.testing.harness import seeded_prompt
+from vllm_hs.testing.server import (
     Want,
     check,
     collect_response,
     collect_stream,
-    seeded_prompt,
     sse_chunks,
 )
 

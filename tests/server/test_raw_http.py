@@ -7,7 +7,10 @@ from typing import Any
 
 import pytest
 import torch
-from serverkit import (
+
+from vllm_hs.client import decode
+from vllm_hs.testing.harness import seeded_prompt
+from vllm_hs.testing.server import (
     HIDDEN,
     MAIN_RESOLVED,
     Collected,
@@ -15,11 +18,8 @@ from serverkit import (
     check,
     collect_response,
     collect_stream,
-    seeded_prompt,
     sse_chunks,
 )
-
-from vllm_hs.client import decode
 
 PROMPT_IDS = seeded_prompt(101, 23)
 MESSAGES = [{"role": "user", "content": "Write a tiny story about a blue dog."}]

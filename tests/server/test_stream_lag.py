@@ -18,12 +18,13 @@ from typing import Any
 
 import httpx
 import pytest
-from serverkit import (
+
+from vllm_hs.testing.harness import seeded_prompt
+from vllm_hs.testing.server import (
     Collected,
     Want,
     check,
     collect_stream,
-    seeded_prompt,
     send_signal,
     sse_chunks,
 )

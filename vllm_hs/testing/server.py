@@ -1,8 +1,6 @@
 """Start real `vllm serve` processes of the patched install and check the hidden
 states of their responses against HF transformers.
 
-Helpers for tests/server only (tests/engine has its own `harness`; this module
-has a different name so that both folders can sit on sys.path in one session).
 Every check recomputes the expected rows with `vllm_hs.hf_reference` from the
 token ids the server returned (`"return_token_ids": true`), so a row from the
 wrong position, layer, choice or request fails.
@@ -27,14 +25,14 @@ import torch
 
 from vllm_hs.client import ResponseHiddenStates, sse_events
 from vllm_hs.hf_reference import assert_states_close, hf_sequence_states
+from vllm_hs.testing.harness import (
+    CAP_BYTES,
+    HIDDEN,
+    MAIN_LAYERS,
+    MAIN_RESOLVED,
+    poll_until_empty,
+)
 
-# Layer set of the main test server; -1 resolves to L=4 in responses.
-MAIN_LAYERS: list[int | str] = [0, 2, -1, "final_norm"]
-MAIN_RESOLVED: list[int | str] = [0, 2, 4, "final_norm"]
-HIDDEN = 128
-ROW_BYTES = len(MAIN_LAYERS) * HIDDEN * 4  # fp32
-CAP_ROWS = 256
-CAP_BYTES = CAP_ROWS * ROW_BYTES
 HS_CONFIG: dict[str, Any] = {"layers": MAIN_LAYERS, "max_bytes_per_request": CAP_BYTES}
 
 STARTUP_TIMEOUT_S = 180.0
@@ -208,7 +206,6 @@ class ServerProcess:
         """Requests the worker's hidden-state capturer still holds (the hs
         server's `ChannelStateProbe`), polled until empty or `timeout`: the
         engine core tells the worker of finished requests on its next step."""
-        from vllm_hs.testing import poll_until_empty
 
         def fetch() -> list[str]:
             return [
@@ -484,9 +481,3 @@ def check_stream_timing(got: Collected, want: Want, what: str) -> None:
 def sse_chunks(response: Any) -> Iterator[dict[str, Any]]:
     """Chunks of an httpx streaming response (`client.stream(...)`)."""
     return sse_events(response.iter_lines())
-
-
-def seeded_prompt(seed: int, length: int, vocab: int = 1024, low: int = 8) -> list[int]:
-    """Deterministic token ids in [low, vocab) (below `low`: special tokens)."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(low, vocab, (length,), generator=g).tolist()

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_hs.tiny_model import _param_seed, build_cached
+from vllm_hs.tiny_model import build_cached, param_seed
 
 __all__ = ["ARCHITECTURES", "ArchSpec", "build_architecture_model"]
 
@@ -247,7 +247,7 @@ def _redraw_weights(model: Any, seed: int) -> None:
             low = name.lower()
             if "conv" in low or "dt_bias" in low or "correction" in low:
                 continue
-            gen = torch.Generator().manual_seed(_param_seed(seed, name))
+            gen = torch.Generator().manual_seed(param_seed(seed, name))
             noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
             is_qk = any(q in low for q in _QK_NAMES)
             if param.dim() == 1 and "norm" in low and name.endswith("weight"):

@@ -1,0 +1,28 @@
+"""Test support: never imported by vllm-hs's product code.
+
+- `harness`: engines for tests (in-process or multiprocess, cleaned up, model
+  runner checked), the worker probe `ChannelStateProbe`, and the checks of
+  hidden-state rows against HF transformers shared by engine and server tests.
+- `server`: real `vllm serve` processes and the checks of their responses.
+- `architectures`: tiny seeded models of the architectures the channel supports.
+
+`worker_extension_cls="vllm_hs.testing.ChannelStateProbe"` names the probe.
+"""
+
+from vllm_hs.testing.harness import (
+    ChannelStateProbe,
+    check_model_runner,
+    engine,
+    expected_model_runner,
+    patched_vllm_skip_reason,
+    poll_until_empty,
+)
+
+__all__ = [
+    "ChannelStateProbe",
+    "check_model_runner",
+    "engine",
+    "expected_model_runner",
+    "patched_vllm_skip_reason",
+    "poll_until_empty",
+]

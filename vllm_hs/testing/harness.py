@@ -1,0 +1,271 @@
+"""The engine harness of the tests (tests/engine, tests/server, tests/extract):
+whether the patched vLLM is there, an engine that cleans up after itself and
+checks its workers run the session's model runner, and the checks of a
+request's hidden-state rows against HF transformers.
+
+Every check recomputes the expected rows with HF transformers on the same weights
+(`vllm_hs.hf_reference`) from the request's own prompt and generated tokens, so
+a row from the wrong position, layer or request fails, as do zeros.
+Heavy imports (vllm) happen inside the functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vllm_hs.hf_reference import assert_states_close, hf_sequence_states
+from vllm_hs.triton_interpreter import interpreter_requested
+
+MODES = ("inproc", "mp")
+"""Engine modes: the in-process engine core (no serialization) and the default
+multiprocess engine (worker -> core over shared memory, core -> frontend over
+msgpack)."""
+
+# Layer set of the main test engine and server; -1 resolves to L=4 of the tiny
+# model (hidden size 128, fp32).
+MAIN_LAYERS: list[int | str] = [0, 2, -1, "final_norm"]
+MAIN_RESOLVED: list[int | str] = [0, 2, 4, "final_norm"]
+HIDDEN = 128
+ROW_BYTES = len(MAIN_LAYERS) * HIDDEN * 4  # fp32
+CAP_ROWS = 256
+CAP_BYTES = CAP_ROWS * ROW_BYTES  # max_bytes_per_request of the main engine
+BUDGET = 32  # max_num_batched_tokens: long prompts prefill in many chunks
+PREFIX_STORE_BLOCKS = 4  # rows of 32-token blocks the main engine keeps
+PREFIX_STORE_BYTES = PREFIX_STORE_BLOCKS * 32 * ROW_BYTES
+
+
+def patched_vllm_skip_reason() -> str:
+    """'' when the importable vLLM has the hidden-state channel, else why not.
+
+    With VLLM_HS_EXPECT_PATCHED=1 (set by tox) a missing or unpatched vLLM is an
+    error, never a reason to skip.
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    if os.environ.get("VLLM_HS_EXPECT_PATCHED") == "1":
+        import vllm
+
+        if not hasattr(vllm, "HiddenStatesParams"):
+            raise AssertionError(f"vllm at {vllm.__file__} is unpatched")
+        return ""
+    try:
+        import vllm
+    except ImportError:
+        return "vLLM is not installed"
+    return "" if hasattr(vllm, "HiddenStatesParams") else "unpatched vLLM"
+
+
+@contextlib.contextmanager
+def engine(model_dir: str, mode: str = "inproc", **kwargs: Any) -> Iterator[Any]:
+    """A vLLM `LLM` in `mode` ("inproc": engine core in this process; "mp": the
+    default multiprocess engine), shut down and cleaned up on exit. Defaults: a
+    512-token context and a 64 MiB KV cache; kwargs override them."""
+    from vllm import LLM
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    if mode not in ("inproc", "mp"):
+        raise ValueError(f"mode must be 'inproc' or 'mp', got {mode!r}")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if mode == "mp" else "0"
+    options: dict[str, Any] = dict(
+        max_model_len=512,
+        kv_cache_memory_bytes=64 << 20,
+        seed=0,
+        worker_extension_cls="vllm_hs.testing.ChannelStateProbe",
+    )
+    options.update(kwargs)
+    if interpreter_requested():
+        # Triton's interpreter stands in for a compiler: nothing to compile.
+        options["enforce_eager"] = True
+    llm = LLM(model_dir, **options)
+    try:
+        check_model_runner(llm)
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+        cleanup_dist_env_and_memory()
+
+
+def expected_model_runner() -> str:
+    """The model runner vLLM selects for this process's engines: the one
+    `VLLM_USE_V2_MODEL_RUNNER` forces, else "v2" (Model Runner V2) where Triton
+    runs (Triton's interpreter as a CPU backend, `vllm_hs.triton_interpreter`,
+    or CUDA), else "v1"."""
+    from vllm.envs import maybe_convert_bool  # vLLM's own reading of the flag
+
+    forced = maybe_convert_bool(os.environ.get("VLLM_USE_V2_MODEL_RUNNER"))
+    if forced is not None:
+        return "v2" if forced else "v1"
+    if interpreter_requested():
+        return "v2"
+    import torch
+
+    return "v2" if torch.cuda.is_available() else "v1"
+
+
+def check_model_runner(llm: Any) -> None:
+    """Fail unless every worker of `llm` runs the runner this test session is
+    for: a worker process that silently fell back to the other runner would
+    pass every row check while testing the wrong code. Needs the
+    `ChannelStateProbe` worker extension."""
+    expected = expected_model_runner()
+    kinds = llm.collective_rpc("model_runner_kind")
+    if any(kind != expected for kind in kinds):
+        raise AssertionError(f"workers run model runners {kinds}, expected {expected}")
+
+
+class ChannelStateProbe:
+    """A vLLM worker extension for tests (``worker_extension_cls=
+    "vllm_hs.testing.ChannelStateProbe"``): what the worker side of the channel
+    still holds, through ``collective_rpc("hidden_states_request_ids")`` (or the
+    server's dev-mode ``/collective_rpc``)."""
+
+    model_runner: Any  # set by vLLM's worker
+
+    def model_runner_kind(self) -> str:
+        """Which model runner this worker runs: "v2" or "v1"."""
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner as ModelRunnerV2
+
+        return "v2" if isinstance(self.model_runner, ModelRunnerV2) else "v1"
+
+    def hidden_states_request_ids(self) -> list[str]:
+        capturer = getattr(self.model_runner, "hidden_states_capturer", None)
+        return [] if capturer is None else sorted(capturer.request_ids)
+
+
+def poll_until_empty(
+    fetch: Callable[[], list[str]], timeout: float = 10.0
+) -> list[str]:
+    """Call `fetch` until it returns an empty list or `timeout` seconds pass;
+    return its last answer (for state a worker drops on the engine's next
+    step, which comes asynchronously)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        items = fetch()
+        if not items or time.monotonic() > deadline:
+            return items
+        time.sleep(0.1)
+
+
+# --- requests and their checks against HF ----------------------------------
+
+
+def greedy(max_tokens: int, **kwargs: Any) -> Any:
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs
+    )
+
+
+def tokens_prompt(token_ids: Sequence[int]) -> Any:
+    from vllm.inputs import TokensPrompt
+
+    return TokensPrompt(prompt_token_ids=list(token_ids))
+
+
+def seeded_prompt(seed: int, length: int, vocab: int = 1024, low: int = 8) -> list[int]:
+    """Deterministic token ids in [low, vocab) (below `low`: special tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(low, vocab, (length,), generator=g).tolist()
+
+
+@dataclass
+class Expect:
+    """What a request asked for, resolved to the layer ids of its columns."""
+
+    layers: list[int | str]
+    prompt: bool = True
+    output: bool = True
+
+
+def check_output(
+    request_output: Any,
+    model_dir: str,
+    expect: Expect | None,
+    dtype: torch.dtype | str,
+    what: str,
+    tolerance_dtype: torch.dtype | str | None = None,
+) -> None:
+    """Check every hidden-state row of one RequestOutput (all completions).
+
+    The reference runs in `dtype`; tolerances are those of `tolerance_dtype`
+    (default: `dtype`)."""
+    tol_dtype = dtype if tolerance_dtype is None else tolerance_dtype
+    prompt_ids = list(request_output.prompt_token_ids)
+    if expect is None:
+        assert request_output.prompt_hidden_states is None, what
+        for completion in request_output.outputs:
+            assert completion.hidden_states is None, what
+        return
+    prompt_rows = request_output.prompt_hidden_states
+    checked_prompt = False
+    for completion in request_output.outputs:
+        token_ids = list(completion.token_ids)
+        ref_prompt, ref_output = hf_sequence_states(
+            model_dir, prompt_ids, token_ids, expect.layers, dtype=dtype
+        )
+        label = f"{what} completion {completion.index}"
+        if expect.prompt and not checked_prompt:
+            assert prompt_rows is not None, f"{what}: no prompt_hidden_states"
+            assert prompt_rows.dtype == ref_prompt.dtype, (prompt_rows.dtype, what)
+            assert_states_close(
+                prompt_rows,
+                ref_prompt,
+                dtype=tol_dtype,
+                what=f"{what} prompt",
+                layers=expect.layers,
+            )
+            checked_prompt = True
+        elif not expect.prompt:
+            assert prompt_rows is None, f"{what}: unexpected prompt states"
+        if expect.output:
+            rows = completion.hidden_states
+            assert rows is not None, f"{label}: no hidden_states"
+            assert rows.shape[0] == max(len(token_ids) - 1, 0), (
+                f"{label}: {rows.shape[0]} rows for {len(token_ids)} tokens"
+            )
+            assert_states_close(
+                rows,
+                ref_output,
+                dtype=tol_dtype,
+                what=f"{label} output",
+                layers=expect.layers,
+                row_offset=len(prompt_ids),
+            )
+        else:
+            assert completion.hidden_states is None, f"{label}: unexpected rows"
+
+
+Case = tuple[list[int], Any, "Expect | None"]
+"""(prompt token ids, SamplingParams, what the request asked for)."""
+
+
+def run_cases(
+    llm: Any,
+    cases: Sequence[Case],
+    model_dir: str,
+    dtype: torch.dtype | str,
+    label: str,
+    tolerance_dtype: torch.dtype | str | None = None,
+) -> list[Any]:
+    """Generate all cases in one batch and check every output against HF."""
+    outputs = llm.generate(
+        [tokens_prompt(p) for p, _, _ in cases],
+        [sp for _, sp, _ in cases],
+        use_tqdm=False,
+    )
+    assert len(outputs) == len(cases)
+    for i, (out, (prompt, _, expect)) in enumerate(zip(outputs, cases, strict=True)):
+        assert list(out.prompt_token_ids) == list(prompt)
+        check_output(out, model_dir, expect, dtype, f"{label} {i}", tolerance_dtype)
+    return outputs
