@@ -8,9 +8,9 @@ import ast
 import importlib.metadata
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
+import tomllib
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
