@@ -10,15 +10,19 @@ from pathlib import Path
 
 import pytest
 
-from vllm_hs.conversations import (
+from vllm_hs.errors import VllmHsError
+from vllm_hs.extract.inputs import (
     ConversationError,
+    LossMaskError,
+    has_generation_markers,
     load_conversations,
     normalize_conversation,
+    plan_samples,
+    regenerate_slots,
+    render_with_mask,
     shipped_conversations_path,
 )
-from vllm_hs.extract import default_layers, parse_layers, plan_samples, regenerate_slots
-from vllm_hs.loss_mask import LossMaskError, has_generation_markers, render_with_mask
-from vllm_hs.series import VllmHsError
+from vllm_hs.extract.layers import default_layers, parse_layers
 from vllm_hs.tiny_model import CHAT_TEMPLATE
 
 OPENAI = [
@@ -386,7 +390,7 @@ def test_shipped_set_is_openai_form(shipped):
 def test_non_finite_scan(dtype: str):
     import torch
 
-    from vllm_hs.extract import _first_non_finite
+    from vllm_hs.extract.runner import _first_non_finite
 
     states = torch.randn(6, 4, 16).to(getattr(torch, dtype))
     info = torch.finfo(states.dtype)
