@@ -390,7 +390,7 @@ def test_shipped_set_is_openai_form(shipped):
 def test_non_finite_scan(dtype: str):
     import torch
 
-    from vllm_hs.extract.runner import _first_non_finite
+    from vllm_hs.extract.writer import _first_non_finite
 
     states = torch.randn(6, 4, 16).to(getattr(torch, dtype))
     info = torch.finfo(states.dtype)
