@@ -88,16 +88,25 @@ def atomic_write_json(target: Path, value: Any) -> None:
 
 def atomic_copy(source: Path, target: Path, *, link: bool = False) -> None:
     """Make `target` a copy of `source` (a hard link when `link` and the file
-    system allows it), atomically."""
-    with atomic_path(target) as tmp:
-        if link:
-            tmp.unlink()
+    system allows it), atomically. A link shares `source`'s mode; a copy gets the
+    umask's."""
+    if link:
+        handle, name = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+        os.close(handle)
+        tmp = Path(name)
+        tmp.unlink()  # os.link wants a free name; mkstemp only reserved one
+        try:
+            os.link(source, tmp)
+        except OSError:
+            pass  # another file system, or no links: copy
+        else:
             try:
-                os.link(source, tmp)
                 os.replace(tmp, target)
-                return
-            except OSError:
-                pass
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+            return
+    with atomic_path(target) as tmp:
         shutil.copyfile(source, tmp)
 
 
