@@ -7,7 +7,7 @@ Sides, on the conversations shipped with vllm-hs rendered by the model's chat
 template (prompt tokens only; every token is computed: the engine runs without
 prefix caching, since prompt-state requests never read it):
 
-- extract: `vllm_hs.extract.extract` into a fresh directory: engine, states
+- extract: `vllm_hs.extract.runner.extract` into a fresh directory: engine, states
   transport, validation and the safetensors/Arrow writes (tokens/s of its loop);
 - states: `LLM.generate` asking for prompt states (max_tokens=1), nothing written;
 - plain: `LLM.generate` with max_tokens=1 and no states (the baseline).
@@ -159,8 +159,13 @@ def main(argv: list[str] | None = None) -> int:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from vllm_hs.conversations import load_conversations, shipped_conversations_path
-    from vllm_hs.extract import default_layers, extract, plan_samples
+    from vllm_hs.extract.inputs import (
+        load_conversations,
+        plan_samples,
+        shipped_conversations_path,
+    )
+    from vllm_hs.extract.layers import default_layers
+    from vllm_hs.extract.runner import extract
     from vllm_hs.tiny_model import build_tiny_model
 
     sizes = MODELS[args.model]
@@ -241,7 +246,6 @@ def main(argv: list[str] | None = None) -> int:
             data_sha256=sha,
             tokenizer=tokenizer,
             progress=False,
-            log=lambda message: None,
         )
         assert result.written_tokens == tokens and not result.skipped
         shutil.rmtree(out)

@@ -40,7 +40,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "vllm_hs.wheel",
     "vllm_hs.status",
     "vllm_hs.demo",
-    "vllm_hs.extract",
+    "vllm_hs.extract.cli",
     "vllm_hs.stage",
     "vllm_hs.refresh",
     "vllm_hs.lint",

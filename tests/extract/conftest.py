@@ -103,7 +103,7 @@ def tokenizer(model_dir: str) -> Any:
 @pytest.fixture(scope="session")
 def shipped() -> list[list[dict[str, str]]]:
     """The conversation set shipped in vllm_hs/data, normalized."""
-    from vllm_hs.conversations import load_conversations, shipped_conversations_path
+    from vllm_hs.extract.inputs import load_conversations, shipped_conversations_path
 
     return load_conversations(shipped_conversations_path())[0]
 
@@ -164,13 +164,12 @@ def file_digests_fixture() -> Callable[[Path], dict[str, str]]:
 
 
 def _run_extract(llm: Any, conversations: list, output: Path, **kwargs: Any) -> Any:
-    """`vllm_hs.extract.extract` with the test engine's layers, quiet."""
-    from vllm_hs.extract import extract
+    """`vllm_hs.extract.runner.extract` with the test engine's layers, quiet."""
+    from vllm_hs.extract.runner import extract
 
     kwargs.setdefault("layers", LAYERS)
     kwargs.setdefault("data_sha256", "test")
     kwargs.setdefault("progress", False)
-    kwargs.setdefault("log", lambda message: None)
     return extract(llm, conversations, output, **kwargs)
 
 

@@ -14,18 +14,24 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
-from vllm_hs.conversations import load_conversations, shipped_conversations_path
-from vllm_hs.extract import DEFAULT_OUTPUT, FINGERPRINT_KEYS, HS_DIR, MANIFEST, SKIPPED
+from vllm_hs.extract.cli import DEFAULT_OUTPUT
+from vllm_hs.extract.format import FINGERPRINT_KEYS, HS_DIR, MANIFEST, SKIPPED
+from vllm_hs.extract.inputs import load_conversations, shipped_conversations_path
 
 
-def vllm_hs(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+def vllm_hs(
+    *args: str, cwd: Path, timeout: float = 600, umask: int = -1
+) -> subprocess.CompletedProcess:
+    """`vllm-hs extract ARGS` (``umask``: the child's, -1 = inherited)."""
     return subprocess.run(
         [sys.executable, "-m", "vllm_hs", "extract", *args],
         cwd=cwd,
         capture_output=True,
         text=True,
         timeout=timeout,
+        umask=umask,
     )
 
 
@@ -77,6 +83,9 @@ def test_malformed_jsonl_fails_before_anything_is_written(tmp_path: Path):
         (["--layers", "1,99"], "--layers: layer 99 does not exist: the model has 4"),
         (["--", "--no-such-engine-option"], "invalid vLLM engine options after --"),
         (["--", "--model", "x"], "pass --model to vllm-hs extract, not after --"),
+        (["--", "--seed", "1"], "pass --seed to vllm-hs extract, not after --"),
+        (["--hidden-states-config", "{}"], "pass --layers to vllm-hs extract"),
+        (["--merge", "--dtype", "float32"], "--merge starts no engine"),
     ],
 )
 def test_bad_options_fail_before_the_engine_starts(
@@ -124,7 +133,7 @@ def test_killed_run_resumes_to_the_bytes_of_a_clean_run(
 
     resumed = vllm_hs("--resume", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"resuming: {before} of 300 samples already written" in resumed.stdout
+    assert f"vllm-hs: resuming: {before} of 300 samples" in resumed.stderr
     assert f"wrote {300 - before} samples" in resumed.stdout
     assert "dataset: 300 samples" in resumed.stdout
     assert f"output: {out.resolve()}" in resumed.stdout
@@ -158,8 +167,8 @@ def test_only_too_long_conversations_exit_nonzero(tmp_path: Path):
     proc = vllm_hs("--data", str(data), "--output", "out", cwd=tmp_path)
     assert proc.returncode == 1, proc.stdout[-2000:]
     assert "every conversation was skipped" in proc.stderr
-    assert "skipping conversation 0:" in proc.stdout
-    assert "tokens > --max-length 1023 (not truncated)" in proc.stdout
+    assert "vllm-hs: skipping conversation 0:" in proc.stderr
+    assert "tokens > --max-length 1023 (not truncated)" in proc.stderr
     out = tmp_path / "out"
     skipped = [json.loads(x) for x in (out / SKIPPED).read_text().splitlines()]
     assert [s["index"] for s in skipped] == [0]
@@ -172,3 +181,71 @@ def test_merge_without_shards_fails(tmp_path: Path):
     proc = vllm_hs("--output", str(tmp_path), "--merge", cwd=tmp_path, timeout=120)
     assert proc.returncode == 1
     assert "--merge: no shard-*-of-* directories" in proc.stderr
+
+
+def test_parsing_imports_vllm_only_for_engine_options():
+    """`vllm-hs --help` imports every command module and `extract --help`,
+    --merge and input errors need no engine: none may import vLLM (seconds).
+    An engine option loads vLLM's own parser, and lands under its field name."""
+    script = """
+import sys
+from vllm_hs.cli import build_parser
+from vllm_hs.extract.cli import _given_engine_options
+
+args = build_parser().parse_args(["extract", "--output", "o", "--layers=1,-1"])
+assert "vllm" not in sys.modules, "vllm imported"
+assert _given_engine_options(args) == {}
+args = build_parser().parse_args(
+    ["extract", "--dtype", "float32", "--max-num-seqs=4", "--no-enforce-eager",
+     "--seed", "3", "--max-length", "9", "--", "--max-model-len", "64"]
+)
+assert "vllm" in sys.modules
+given = _given_engine_options(args)
+assert given == {"dtype": "float32", "max_num_seqs": 4, "enforce_eager": False}, given
+assert (args.seed, args.max_length) == (3, 9)
+assert args.engine_args[-2:] == ["--max-model-len", "64"], args.engine_args
+"""
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_engine_options_reach_the_engine_and_modes_follow_the_umask(tmp_path: Path):
+    """`--dtype bfloat16` (a vLLM option, given directly) overrides the embedded
+    model's float32 default: the manifest and the hs files say bfloat16. Every
+    file and directory gets the mode the umask gives (027: 0640 and 0750), hs
+    files included (temporary files are created 0600)."""
+    conversations, _ = load_conversations(shipped_conversations_path())
+    data = tmp_path / "few.jsonl"
+    data.write_text(
+        "".join(json.dumps({"messages": c}) + "\n" for c in conversations[:4])
+    )
+    proc = vllm_hs(
+        "--data", str(data), "--output", "out", "--dtype", "bfloat16",
+        "--max-num-seqs", "2", "--", "--max-num-batched-tokens", "512",
+        cwd=tmp_path, umask=0o027,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "out"
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["complete"] and manifest["samples"] == 4
+    assert manifest["dtype"] == "bfloat16"
+    options = manifest["engine_options"]
+    assert options["dtype"] == "bfloat16" and options["max_num_seqs"] == 2
+    assert options["max_num_batched_tokens"] == 512
+    assert options["enforce_eager"] is True  # the embedded default stays
+    from safetensors.torch import load_file
+
+    states = load_file(str(out / HS_DIR / "hs_0.safetensors"))["hidden_states"]
+    assert states.dtype == torch.bfloat16
+    modes = {
+        p.relative_to(tmp_path).as_posix(): p.stat().st_mode & 0o777
+        for p in [out, *out.rglob("*")]
+    }
+    names = set(modes)
+    assert {"out/vllm_hs_extract.json", "out/hidden_states/hs_3.safetensors"} <= names
+    assert {"out/token_freq.pt", "out/skipped.jsonl", "out/state.json"} <= names
+    assert any(name.endswith(".arrow") for name in names)
+    expected = {n: 0o750 if (tmp_path / n).is_dir() else 0o640 for n in modes}
+    assert modes == expected

@@ -10,15 +10,19 @@ from pathlib import Path
 
 import pytest
 
-from vllm_hs.conversations import (
+from vllm_hs.errors import VllmHsError
+from vllm_hs.extract.inputs import (
     ConversationError,
+    LossMaskError,
+    has_generation_markers,
     load_conversations,
     normalize_conversation,
+    plan_samples,
+    regenerate_slots,
+    render_with_mask,
     shipped_conversations_path,
 )
-from vllm_hs.extract import default_layers, parse_layers, plan_samples, regenerate_slots
-from vllm_hs.loss_mask import LossMaskError, has_generation_markers, render_with_mask
-from vllm_hs.series import VllmHsError
+from vllm_hs.extract.layers import default_layers, parse_layers
 from vllm_hs.tiny_model import CHAT_TEMPLATE
 
 OPENAI = [
@@ -386,7 +390,7 @@ def test_shipped_set_is_openai_form(shipped):
 def test_non_finite_scan(dtype: str):
     import torch
 
-    from vllm_hs.extract import _first_non_finite
+    from vllm_hs.extract.writer import _first_non_finite
 
     states = torch.randn(6, 4, 16).to(getattr(torch, dtype))
     info = torch.finfo(states.dtype)
@@ -397,3 +401,61 @@ def test_non_finite_scan(dtype: str):
         bad[5, 0, 3] = value
         bad[3, 2, 15] = value
         assert _first_non_finite(bad) == (3, 2)
+
+
+# ---------------------------------------------------------------------------
+# The manifest and skip records (format.py)
+
+
+def test_manifest_json_keys_and_round_trip(tmp_path: Path):
+    from vllm_hs.extract.format import (
+        FINGERPRINT_KEYS,
+        ExtractResult,
+        Manifest,
+        RegenerateSettings,
+        Skip,
+        SkipStage,
+    )
+
+    manifest = Manifest(
+        model="m",
+        model_config_sha256="a",
+        data_sha256="b",
+        chat_template_sha256="c",
+        layers=[1, 2, 3, 4],
+        columns={},
+        num_hidden_layers=4,
+        dtype="float32",
+        hidden_size=128,
+        max_length=1023,
+        regenerate=None,
+        validate=True,
+    )
+    started = {
+        "format_version", "format", "model", "model_config_sha256", "data_sha256",
+        "chat_template_sha256", "layers", "columns", "num_hidden_layers", "dtype",
+        "hidden_size", "max_length", "regenerate", "validate", "num_shards",
+        "shard_index", "complete",
+    }  # fmt: skip
+    assert set(manifest.to_json()) == started
+    assert manifest.to_json()["regenerate"] is None
+    assert set(FINGERPRINT_KEYS) <= started
+    result = ExtractResult(tmp_path, samples=2, tokens=9, bytes=99)
+    result.skipped = [Skip(3, "bad", SkipStage.VALIDATE), Skip(1, "long")]
+    manifest.summarize(result)
+    manifest.regenerate = RegenerateSettings(8, 0.5, 7)
+    manifest.write(tmp_path / "m.json")
+    value = json.loads((tmp_path / "m.json").read_text())
+    assert set(value) == started | {"samples", "tokens", "bytes", "skipped", "rejected"}
+    assert (value["complete"], value["skipped"], value["rejected"]) == (True, 2, 1)
+    assert value["regenerate"] == {"max_new_tokens": 8, "temperature": 0.5, "seed": 7}
+    again = Manifest.read(tmp_path / "m.json")
+    assert again == manifest and not again.differences(manifest)
+    again.layers = [1, 4]
+    assert [k for k, _, _ in again.differences(manifest)] == ["layers"]
+    assert Skip(1, "long").to_json() == {"index": 1, "reason": "long", "stage": "plan"}
+    assert json.dumps(Skip(3, "x", SkipStage.GENERATE).to_json()) == (
+        '{"index": 3, "reason": "x", "stage": "generate"}'
+    )
+    with pytest.raises(VllmHsError, match="not a vllm-hs extract manifest"):
+        Manifest.from_json({"model": "m"}, tmp_path / "m.json")

@@ -1,0 +1,147 @@
+"""The life of one output directory: open it (new, or --resume of a run with the
+same settings), and finish it (close gaps, write the dataset, token frequencies,
+skip report and, last, the complete manifest). The files are described in
+`vllm_hs.extract.format`."""
+
+from __future__ import annotations
+
+import json
+import os
+from array import array
+from collections.abc import Sequence
+from pathlib import Path
+
+from vllm_hs import fs
+from vllm_hs.errors import VllmHsError
+from vllm_hs.extract.format import (
+    COMPACTION,
+    HS_DIR,
+    MANIFEST,
+    ExtractResult,
+    Manifest,
+    Row,
+    Skip,
+    hs_path,
+    read_hs_meta,
+    remove_temp_files,
+    write_arrow,
+    write_skipped,
+    write_token_freq,
+)
+from vllm_hs.extract.inputs import Sample
+
+__all__ = ["finalize", "finish_compaction", "open_output"]
+
+
+def open_output(output: Path, manifest: Manifest, resume: bool) -> Manifest | None:
+    """Create or reopen ``output``; returns the previous manifest on --resume.
+
+    Raises VllmHsError when ``output`` holds something else, or an extraction
+    that --resume may not continue (not asked for, or other settings)."""
+    path = output / MANIFEST
+    if output.exists() and not output.is_dir():
+        raise VllmHsError(f"--output {output} exists and is not a directory")
+    # A run killed before it wrote its manifest leaves at most these behind:
+    # the manifest's temporary file and an empty hidden_states.
+    existing = [
+        p
+        for p in (output.iterdir() if output.is_dir() else ())
+        if not p.name.startswith(f".{MANIFEST}.")
+        and not (p.name == HS_DIR and p.is_dir() and not any(p.iterdir()))
+    ]
+    previous = None
+    if path.exists():
+        previous = Manifest.read(path)
+        if not resume:
+            raise VllmHsError(
+                f"{output} already holds an extraction; pass --resume to continue "
+                "or finish it, or choose another --output"
+            )
+        differ = previous.differences(manifest)
+        if differ:
+            details = ", ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in differ)
+            raise VllmHsError(
+                f"--resume: {output} was written with other settings ({details}); "
+                "use the same model, data and options, or another --output"
+            )
+    elif existing:
+        raise VllmHsError(
+            f"--output {output} is not empty and holds no extraction; choose an "
+            "empty or new directory"
+        )
+    if previous is None or not previous.complete:
+        output.mkdir(parents=True, exist_ok=True)
+        remove_temp_files(output)
+        if previous is None:
+            manifest.write(path)
+        (output / HS_DIR).mkdir(exist_ok=True)
+    return previous
+
+
+def finalize(
+    output: Path,
+    samples: Sequence[Sample],
+    rows: dict[int, Row],
+    manifest: Manifest,
+    result: ExtractResult,
+) -> None:
+    """Close gaps (samples dropped after planning), then write the Arrow dataset,
+    the skip report and the manifest (last: it marks the run complete)."""
+    done = sorted(rows)
+    moves = [(old, new) for new, old in enumerate(done) if old != new]
+    if moves:
+        index_of = {s.row: s.index for s in samples}
+        fs.atomic_write_json(
+            output / COMPACTION,
+            {
+                "moves": [[old, new, index_of[old]] for old, new in moves],
+                "samples": len(done),
+                "skipped": [
+                    s.to_json() for s in sorted(result.skipped, key=lambda s: s.index)
+                ],
+            },
+        )
+        _apply_compaction(output)
+    _complete(output, [rows[old] for old in done], manifest, result)
+
+
+def finish_compaction(output: Path, manifest: Manifest, result: ExtractResult) -> None:
+    """Finish a run that crashed while closing gaps: all samples were written,
+    so finish the renames and build the dataset from the files."""
+    _apply_compaction(output)
+    record = json.loads((output / COMPACTION).read_text())
+    final = []
+    for row in range(record["samples"]):
+        meta = read_hs_meta(hs_path(output, row))
+        final.append(Row(array("i", meta.token_ids), bytes(meta.loss_mask)))
+    result.skipped = [Skip.from_json(s) for s in record["skipped"]]
+    _complete(output, final, manifest, result)
+
+
+def _apply_compaction(output: Path) -> None:
+    """Rename hs files down to close gaps; safe to redo after a crash (each move
+    is checked against the input index stored in the file)."""
+    for old, new, index in json.loads((output / COMPACTION).read_text())["moves"]:
+        source = hs_path(output, old)
+        if not source.exists():
+            continue  # moved before the crash
+        try:
+            stored = read_hs_meta(source).input_index
+        except Exception:  # noqa: BLE001 - a file moved here has another index
+            continue
+        if stored == index:
+            os.replace(source, hs_path(output, new))
+
+
+def _complete(
+    output: Path, final: list[Row], manifest: Manifest, result: ExtractResult
+) -> None:
+    write_arrow(output, final)
+    write_token_freq(output, final)
+    result.samples = len(final)
+    result.tokens = sum(len(ids) for ids, _ in final)
+    result.bytes = sum(hs_path(output, i).stat().st_size for i in range(len(final)))
+    write_skipped(output, result.skipped)
+    manifest.summarize(result)
+    manifest.write(output / MANIFEST)
+    (output / COMPACTION).unlink(missing_ok=True)
