@@ -209,7 +209,7 @@ def two_patch_series(series_builder: SeriesBuilder) -> SeriesBuilder:
 
 def upstream_wheel_dirs() -> list[Path]:
     """Where `vllm-hs wheel` caches upstream wheels."""
-    from vllm_hs.wheel import default_cache_dir
+    from vllm_hs.series.wheel import default_cache_dir
 
     return [default_cache_dir()]
 

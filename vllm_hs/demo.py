@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_hs.series import VllmHsError
+from vllm_hs.errors import VllmHsError
 
 DEMO_PROMPTS = (
     "The quick brown fox jumps over the lazy dog because",

@@ -59,8 +59,8 @@ from vllm_hs.conversations import (
     load_conversations,
     shipped_conversations_path,
 )
+from vllm_hs.errors import VllmHsError
 from vllm_hs.loss_mask import LossMaskError, render_with_mask
-from vllm_hs.series import VllmHsError
 
 __all__ = [
     "DEFAULT_OUTPUT",

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from vllm_hs.conversations import load_conversations
+from vllm_hs.errors import VllmHsError
 from vllm_hs.extract import HS_DIR, MANIFEST, SKIPPED, merge_shards, shard_dir
 from vllm_hs.hf_reference import assert_states_close, hf_greedy, hf_hidden_states
 from vllm_hs.loss_mask import render_with_mask
-from vllm_hs.series import VllmHsError
 
 LAYERS = [1, 2, 3, 4]
 NUM = 36  # conversations of the shipped set used here

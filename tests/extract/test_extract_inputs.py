@@ -16,9 +16,9 @@ from vllm_hs.conversations import (
     normalize_conversation,
     shipped_conversations_path,
 )
+from vllm_hs.errors import VllmHsError
 from vllm_hs.extract import default_layers, parse_layers, plan_samples, regenerate_slots
 from vllm_hs.loss_mask import LossMaskError, has_generation_markers, render_with_mask
-from vllm_hs.series import VllmHsError
 from vllm_hs.tiny_model import CHAT_TEMPLATE
 
 OPENAI = [

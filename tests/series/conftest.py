@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_hs.sdist import fetch_sdist
-from vllm_hs.stage import StagedTree, stage
+from vllm_hs.series.sdist import fetch_sdist
+from vllm_hs.series.stage import StagedTree, stage
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SERIES_ROOT = REPO_ROOT / "patches"
