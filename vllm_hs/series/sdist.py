@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import tarfile
 import urllib.error
 import urllib.parse
@@ -23,7 +22,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 from vllm_hs.errors import VllmHsError
-from vllm_hs.fs import atomic_path, atomic_write_text, cache_root
+from vllm_hs.fs import atomic_path, atomic_write_text, cache_root, staging_dir
 from vllm_hs.series.model import sha256_file
 
 logger = logging.getLogger(__name__)
@@ -79,18 +78,17 @@ def unpack_sdist(archive: Path, dest: Path) -> Path:
     """Unpack the sdist's single top-level folder as `dest` (which must not exist)."""
     if dest.exists():
         raise VllmHsError(f"{dest} already exists")
-    scratch = dest.with_name(dest.name + ".unpacking")
-    shutil.rmtree(scratch, ignore_errors=True)
-    scratch.mkdir(parents=True)
-    with tarfile.open(archive) as tar:
-        # The "data" filter refuses links out of the tree and absolute paths and
-        # does not restore the archive's owners (a root-owned checkout, as git wants).
-        tar.extractall(scratch, filter="data")
-    entries = list(scratch.iterdir())
-    if len(entries) != 1 or not entries[0].is_dir():
-        raise VllmHsError(f"{archive} does not hold one top-level folder")
-    entries[0].rename(dest)
-    scratch.rmdir()
+    # The scratch folder (next to dest) is removed also when unpacking fails.
+    with staging_dir(dest.parent, dest.name) as scratch:
+        with tarfile.open(archive) as tar:
+            # The "data" filter refuses links out of the tree and absolute paths
+            # and does not restore the archive's owners (a root-owned checkout, as
+            # git wants).
+            tar.extractall(scratch, filter="data")
+        entries = list(scratch.iterdir())
+        if len(entries) != 1 or not entries[0].is_dir():
+            raise VllmHsError(f"{archive} does not hold one top-level folder")
+        entries[0].rename(dest)
     return dest
 
 

@@ -74,10 +74,10 @@ class Footprint:
 @dataclass(frozen=True)
 class StagedTree:
     repo: Repo
-    version: str
-    base: str
-    branch: str
-    series: Series
+    version: str  # X, the release staged on
+    base: str  # the tag v<X>
+    branch: str  # hidden-states-v<X>: one commit per patch on base
+    series: Series  # the series applied (V's for a bump --from V)
     # git's report when the bump's rebase stopped on a conflict, else None.
     conflict: str | None = None
 
