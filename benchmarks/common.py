@@ -157,7 +157,7 @@ def installed_versions(python: str = sys.executable) -> dict[str, Any]:
     """vLLM version and vllm-hs series of the vllm importable by `python`,
     read without importing vllm (vllm-hs status --json)."""
     code = (
-        "import json; from vllm_hs.status import installed_status, status_dict; "
+        "import json; from vllm_hs.series.status import installed_status, status_dict; "
         "print(json.dumps(status_dict(installed_status())))"
     )
     try:

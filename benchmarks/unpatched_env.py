@@ -20,7 +20,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def ensure(directory: Path, spec: str, requirements: Path) -> Path:
-    from vllm_hs.wheel import default_cache_dir
+    from vllm_hs.series.wheel import default_cache_dir
 
     python = directory / "bin" / "python"
     marker = directory / ".vllm-hs-unpatched-ready"

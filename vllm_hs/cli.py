@@ -36,15 +36,15 @@ EXIT_ERROR = 1  # a VllmHsError: one message on stderr
 EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
 
 SUBCOMMAND_MODULES: tuple[str, ...] = (
-    "vllm_hs.apply",
-    "vllm_hs.wheel",
-    "vllm_hs.status",
+    "vllm_hs.series.apply",
+    "vllm_hs.series.wheel",
+    "vllm_hs.series.status",
     "vllm_hs.demo",
     "vllm_hs.extract.cli",
-    "vllm_hs.stage",
-    "vllm_hs.refresh",
-    "vllm_hs.lint",
-    "vllm_hs.upstream_tests",
+    "vllm_hs.series.stage",
+    "vllm_hs.series.refresh",
+    "vllm_hs.series.lint",
+    "vllm_hs.series.upstream_tests",
 )
 
 

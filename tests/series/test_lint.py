@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from vllm_hs.cli import main
-from vllm_hs.lint import lint_series
-from vllm_hs.series import available_versions
+from vllm_hs.series.lint import lint_series
+from vllm_hs.series.model import available_versions
 
 SERIES_ROOT = Path(__file__).resolve().parents[2] / "patches"
 VERSIONS = available_versions(SERIES_ROOT)

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from vllm_hs.cli import main
-from vllm_hs.refresh import refresh
-from vllm_hs.series import VllmHsError, load_series
-from vllm_hs.stage import StagedTree, stage
+from vllm_hs.errors import VllmHsError
+from vllm_hs.series.model import load_series
+from vllm_hs.series.refresh import refresh
+from vllm_hs.series.stage import StagedTree, stage
 
 SERIES_ROOT = Path(__file__).resolve().parents[2] / "patches"
 

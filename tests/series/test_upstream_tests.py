@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from vllm_hs.refresh import refresh
-from vllm_hs.series import available_versions
-from vllm_hs.stage import stage
-from vllm_hs.upstream_tests import PASSED, compare, listed_tests
+from vllm_hs.series.model import available_versions
+from vllm_hs.series.refresh import refresh
+from vllm_hs.series.stage import stage
+from vllm_hs.series.upstream_tests import Outcome, compare, listed_tests
 
 SERIES_ROOT = Path(__file__).resolve().parents[2] / "patches"
 
@@ -54,7 +54,7 @@ def test_no_upstream_test_regresses(version: str, sdist, tmp_path: Path) -> None
         ran = [
             test
             for test, outcome in comparison.patched.outcomes.items()
-            if test.startswith(test_file + "::") and outcome == PASSED
+            if test.startswith(test_file + "::") and outcome is Outcome.PASSED
         ]
         assert ran, f"no test of {test_file} passed patched:\n{comparison.report()}"
     # ... and the patched tree really held the series.

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from vllm_hs.cli import main
-from vllm_hs.series import MARKER_FILE, load_series
-from vllm_hs.stage import stage
+from vllm_hs.series.model import MARKER_FILE, load_series
+from vllm_hs.series.stage import stage
 
 SERIES_ROOT = Path(__file__).resolve().parents[2] / "patches"
 

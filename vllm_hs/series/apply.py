@@ -10,28 +10,32 @@ patched file (see `vllm-hs status`).
 from __future__ import annotations
 
 import argparse
-import json
-import os
+import logging
 import shutil
-import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from vllm_hs import __version__
-from vllm_hs.series import (
+from vllm_hs.cli import EXIT_OK, add_series_dir_option
+from vllm_hs.errors import VllmHsError
+from vllm_hs.fs import atomic_copy
+from vllm_hs.series.git import GitError, apply_patch
+from vllm_hs.series.model import (
     MARKER_FILE,
+    Marker,
     Patch,
+    PatchDigest,
     Series,
-    VllmHsError,
     default_series_root,
     load_series,
+    read_marker,
     read_tree_version,
     sha256_file,
     unlisted_patches,
 )
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -40,10 +44,11 @@ class ApplyOutcome:
     tree: Path
     reverse: bool
     check: bool
-    # Paths (relative to the tree) that the series changes, creates or deletes.
+    # Paths (relative to the tree) that the series changes, creates or deletes:
+    # a subset of series.touched_paths, in its order.
     changed_paths: tuple[str, ...]
     # The marker written (None for --check and --reverse).
-    marker: dict[str, Any] | None
+    marker: Marker | None
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -82,19 +87,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="remove a previously applied series and its marker, all or nothing",
     )
-    add_series_dir_argument(parser)
+    add_series_dir_option(parser)
     parser.set_defaults(handler=run_apply)
-
-
-def add_series_dir_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--series-dir",
-        type=lambda value: Path(value).resolve(),  # commands change directory
-        metavar="DIR",
-        default=None,
-        help="folder holding one v<version>/ series folder per vLLM version "
-        "(default: the series shipped with this vllm-hs)",
-    )
 
 
 def run_apply(args: argparse.Namespace) -> int:
@@ -102,7 +96,7 @@ def run_apply(args: argparse.Namespace) -> int:
         args.tree, args.series_dir, check=args.check, reverse=args.reverse
     )
     print(describe(outcome))
-    return 0
+    return EXIT_OK
 
 
 def describe(outcome: ApplyOutcome) -> str:
@@ -129,10 +123,7 @@ def apply_series(
         raise VllmHsError(f"{tree} does not contain a vllm/ package directory")
     series = load_series(series_root or default_series_root(), read_tree_version(tree))
     for name in unlisted_patches(series):
-        print(
-            f"vllm-hs: warning: {series.directory / name} is not in the series file",
-            file=sys.stderr,
-        )
+        logger.warning("warning: %s is not in the series file", series.directory / name)
     marker = read_marker(tree)
     _check_marker_allows(series, marker, tree, reverse=reverse)
 
@@ -165,33 +156,19 @@ def apply_series(
     return ApplyOutcome(series, tree, reverse, check, changed, new_marker)
 
 
-def read_marker(tree: Path) -> dict[str, Any] | None:
-    path = tree / MARKER_FILE
-    if not path.is_file():
-        return None
-    try:
-        marker = json.loads(path.read_text(encoding="utf-8"))
-    except ValueError as error:
-        raise VllmHsError(f"{path} is not valid JSON: {error}") from None
-    if not isinstance(marker, dict):
-        raise VllmHsError(f"{path} does not hold a JSON object")
-    return marker
-
-
 def _check_marker_allows(
-    series: Series, marker: dict[str, Any] | None, tree: Path, *, reverse: bool
+    series: Series, marker: Marker | None, tree: Path, *, reverse: bool
 ) -> None:
     if marker is None:
         return
-    applied = f"series {marker.get('series')} revision {marker.get('revision')}"
+    applied = f"series {marker.series} revision {marker.revision}"
     if not reverse:
         raise VllmHsError(
             f"{tree} is already patched ({applied}, see {MARKER_FILE}); "
             "remove it first with 'vllm-hs apply --reverse'"
         )
-    recorded = [(p.get("name"), p.get("sha256")) for p in marker.get("patches", [])]
-    current = [(patch.name, patch.sha256) for patch in series.patches]
-    if recorded != current:
+    current = tuple(PatchDigest(patch.name, patch.sha256) for patch in series.patches)
+    if marker.patches != current:
         raise VllmHsError(
             f"{tree} was patched with {applied} whose patch files differ from those "
             f"in {series.directory}; reverse it with --series-dir pointing at the "
@@ -220,57 +197,39 @@ def _installable(path: str) -> bool:
 def _git_apply(
     patch: Patch, stage: Path, *, reverse: bool, package_only: bool = False
 ) -> None:
-    command = ["git", "apply", "--whitespace=nowarn"]
-    if reverse:
-        command.append("--reverse")
-    if package_only:
-        command.append("--include=vllm/*")
-    command.append(str(patch.path.resolve()))  # git runs in the stage, not here
-    # The stage is not a git repository: keep git from finding one above it, or
-    # from using one named by the caller's environment.
-    env = {k: v for k, v in os.environ.items() if k not in _GIT_REPO_VARIABLES}
-    env["GIT_CEILING_DIRECTORIES"] = str(stage.parent)
     try:
-        result = subprocess.run(
-            command, cwd=stage, env=env, capture_output=True, text=True, check=False
+        apply_patch(
+            patch.path,
+            stage,
+            reverse=reverse,
+            include="vllm/*" if package_only else None,
         )
-    except FileNotFoundError:
-        raise VllmHsError("git is needed to apply patches; install git") from None
-    if result.returncode != 0:
+    except GitError as error:
         direction = (
-            "cannot be removed (reverse apply failed)"
-            if reverse
-            else ("does not apply")
+            "cannot be removed (reverse apply failed)" if reverse else "does not apply"
         )
         raise VllmHsError(
             f"{patch.name} {direction}; nothing was changed.\n"
-            f"git apply said:\n{result.stderr.strip()}"
-        )
-
-
-_GIT_REPO_VARIABLES = frozenset(
-    {"GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE", "GIT_COMMON_DIR", "GIT_PREFIX"}
-)
+            f"git apply said:\n{error.output}"
+        ) from None
 
 
 def _file_bytes(path: Path) -> bytes | None:
     return path.read_bytes() if path.is_file() else None
 
 
-def _marker_for(series: Series, stage: Path, touched: list[str]) -> dict[str, Any]:
-    return {
-        "series": series.name,
-        "revision": series.revision,
-        "vllm_hs_version": __version__,
-        "patches": [
-            {"name": patch.name, "sha256": patch.sha256} for patch in series.patches
-        ],
-        "files": {
+def _marker_for(series: Series, stage: Path, touched: list[str]) -> Marker:
+    return Marker(
+        series=series.name,
+        revision=series.revision,
+        vllm_hs_version=__version__,
+        patches=tuple(PatchDigest(p.name, p.sha256) for p in series.patches),
+        files={
             path: sha256_file(stage / path)
             for path in touched
             if (stage / path).is_file()
         },
-    }
+    )
 
 
 def _write_back(
@@ -279,12 +238,12 @@ def _write_back(
     *,
     backup: Path,
     paths: list[str],
-    marker: dict[str, Any] | None,
+    marker: Marker | None,
 ) -> None:
     """Make tree/path equal stage/path for every path (absent means deleted)."""
     if marker is not None:
         (stage / MARKER_FILE).parent.mkdir(parents=True, exist_ok=True)
-        (stage / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
+        (stage / MARKER_FILE).write_text(marker.dumps(), encoding="utf-8")
     else:
         (stage / MARKER_FILE).unlink(missing_ok=True)
 
@@ -309,9 +268,7 @@ def _sync_file(source: Path, target: Path, created_dirs: list[Path]) -> None:
         missing = [p for p in (target.parent, *target.parent.parents) if not p.exists()]
         target.parent.mkdir(parents=True, exist_ok=True)
         created_dirs.extend(reversed(missing))
-        partial = target.with_name(f".{target.name}.vllm-hs-partial")
-        shutil.copy2(source, partial)
-        os.replace(partial, target)
+        atomic_copy(source, target)
     elif target.is_file() or target.is_symlink():
         target.unlink()
         _remove_stale_bytecode(target)

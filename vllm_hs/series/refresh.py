@@ -15,22 +15,21 @@ otherwise.
 from __future__ import annotations
 
 import argparse
-import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_hs.apply import add_series_dir_argument
-from vllm_hs.gitrepo import Repo
-from vllm_hs.series import (
+from vllm_hs.cli import EXIT_OK, add_series_dir_option
+from vllm_hs.errors import VllmHsError
+from vllm_hs.fs import atomic_write_text
+from vllm_hs.series.git import Repo, add_trailers
+from vllm_hs.series.model import (
     SERIES_FILE,
-    VllmHsError,
+    PatchMail,
     load_series,
-    patch_headers,
-    patch_subject,
     writable_series_root,
 )
-from vllm_hs.stage import CONFIG_BASE, CONFIG_FROM, CONFIG_VERSION
+from vllm_hs.series.stage import CONFIG_BASE, CONFIG_FROM, CONFIG_VERSION
 
 # A fixed abbreviation: git's default grows with the number of objects in the
 # repository, so the same branch would give other index lines in another clone.
@@ -40,15 +39,16 @@ FORMAT_PATCH_OPTIONS = (
     "--no-numbered",
     "--abbrev=12",
 )
-_TRAILER_RE = re.compile(r"^[A-Za-z][A-Za-z0-9-]*: \S")
+# The trailers refresh writes itself (any earlier copy in the message is dropped).
+_OWN_FIELDS = ("Upstream-Status:", "vLLM-Version:")
 
 
 @dataclass(frozen=True)
 class RefreshOutcome:
-    directory: Path
-    written: tuple[str, ...]
-    changed: tuple[str, ...]
-    removed: tuple[str, ...]
+    directory: Path  # <series root>/v<X>
+    written: tuple[str, ...]  # every patch of the new series, in series order
+    changed: tuple[str, ...]  # those whose file content changed (or is new)
+    removed: tuple[str, ...]  # patch files of the old series deleted
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -89,7 +89,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="set the series revision (the +hs.N of patched wheels); default: keep "
         "it, or 1 for a new series",
     )
-    add_series_dir_argument(parser)
+    add_series_dir_option(parser)
     parser.set_defaults(handler=run_refresh)
 
 
@@ -107,7 +107,7 @@ def run_refresh(args: argparse.Namespace) -> int:
     for name in outcome.removed:
         print(f"removed  {name}")
     print(f"wrote {len(outcome.written)} patches and the series to {outcome.directory}")
-    return 0
+    return EXIT_OK
 
 
 def refresh(
@@ -127,9 +127,7 @@ def refresh(
     base = base or repo.config_get(CONFIG_BASE) or f"v{version}"
     if repo.rev(base) is None:
         raise VllmHsError(f"{tree} has no {base}")
-    if (repo.path / ".git" / "rebase-merge").exists() or (
-        repo.path / ".git" / "rebase-apply"
-    ).exists():
+    if repo.in_progress():
         raise VllmHsError(f"{tree} is in the middle of a rebase or am; finish it first")
     if not repo.is_clean():
         raise VllmHsError(f"{tree} has uncommitted changes; commit them first")
@@ -141,6 +139,7 @@ def refresh(
     series_root = series_root or writable_series_root()
     directory = series_root / f"v{version}"
     old_patches: dict[str, str] = {}
+    # Subject of each old patch -> its Upstream-Status.
     old_status: dict[str | None, str | None] = {}
     comments: list[str] = []
     old_revision: int | None = None
@@ -153,8 +152,7 @@ def refresh(
         old_revision = old.revision if origin == version else None
         old_patches = {p.name: p.path.read_text(encoding="utf-8") for p in old.patches}
         old_status = {
-            patch_subject(old_patches[p.name]): p.headers.get("Upstream-Status")
-            for p in old.patches
+            p.mail.subject: p.headers.get("Upstream-Status") for p in old.patches
         }
         comments = [
             line
@@ -181,12 +179,12 @@ def refresh(
             removed.append(stale.name)
     changed = tuple(name for name in texts if old_patches.get(name) != texts[name])
     for name, text in texts.items():
-        (directory / name).write_text(text, encoding="utf-8")
+        atomic_write_text(directory / name, text)
 
     revision = revision or old_revision or 1
     first = f"# vllm-hs series for vLLM {version}, revision {revision}"
     lines = [first, *comments[1:], *texts]
-    (directory / SERIES_FILE).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    atomic_write_text(directory / SERIES_FILE, "\n".join(lines) + "\n")
     load_series(series_root, version)  # what was written must read back
     return RefreshOutcome(directory, tuple(texts), changed, tuple(removed))
 
@@ -194,23 +192,16 @@ def refresh(
 def with_headers(
     text: str, version: str, old_status: dict[str | None, str | None]
 ) -> str:
-    """The patch with `Upstream-Status:` kept (or Pending) and `vLLM-Version: X`."""
+    """The patch with `Upstream-Status:` kept (or Pending) and `vLLM-Version: X`,
+    the last trailers of the message."""
     message, separator, rest = text.partition("\n---\n")
     if not separator:
         raise VllmHsError("format-patch output without a '---' separator")
-    status = patch_headers(message).get("Upstream-Status") or old_status.get(
-        patch_subject(text)
-    )
-    lines = [
-        line
-        for line in message.splitlines()
-        if not line.startswith(("Upstream-Status:", "vLLM-Version:"))
-    ]
+    mail = PatchMail.parse(text)
+    status = mail.headers.get("Upstream-Status") or old_status.get(mail.subject)
+    lines = [line for line in message.splitlines() if not line.startswith(_OWN_FIELDS)]
     while lines and not lines[-1].strip():
         lines.pop()
-    has_body = "" in lines and lines.index("") < len(lines) - 1
-    if not has_body or not _TRAILER_RE.match(lines[-1]):
-        lines.append("")  # trailers form the last paragraph
-    lines += [f"Upstream-Status: {status or 'Pending'}", f"vLLM-Version: {version}"]
-    message = "\n".join(lines)
+    trailers = [("Upstream-Status", status or "Pending"), ("vLLM-Version", version)]
+    message = add_trailers("\n".join(lines) + "\n", trailers).rstrip("\n")
     return message + separator + rest

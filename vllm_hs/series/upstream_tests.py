@@ -21,10 +21,11 @@ unpatched either are reported as "cannot run here", grouped by their error.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import enum
 import importlib.util
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,36 +35,48 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllm_hs.apply import add_series_dir_argument
-from vllm_hs.gitrepo import Repo
-from vllm_hs.series import VllmHsError, default_series_root, load_series
-from vllm_hs.stage import stage
+from vllm_hs.cli import EXIT_ERROR, EXIT_OK, add_series_dir_option
+from vllm_hs.errors import VllmHsError
+from vllm_hs.fs import atomic_write_text
+from vllm_hs.proc import run
+from vllm_hs.series.model import default_series_root, load_series
+from vllm_hs.series.stage import stage
 
 TESTS_FILE = "upstream-tests"
 EXTENDED_SECTION = "[extended]"
-# pytest plugin against offline retry sleeps (vllm_hs/upstream_shim.py).
+# pytest plugin against offline retry sleeps (upstream_shim.py, next to this file).
 SHIM = "upstream_shim"
-PASSED, FAILED, ERROR, SKIPPED = "passed", "failed", "error", "skipped"
 # Sha of the fake snapshot in the offline HF cache (any 40 hex digits will do).
 _SNAPSHOT = "0" * 40
 
 
+class Outcome(enum.Enum):
+    """A test's outcome in pytest's JUnit report; the value is the report's word."""
+
+    PASSED = "passed"
+    FAILED = "failed"
+    ERROR = "error"
+    SKIPPED = "skipped"
+
+
 @dataclass
 class TreeRun:
-    name: str
-    outcomes: dict[str, str] = field(default_factory=dict)
+    name: str  # "unpatched" or "patched"
+    # Test node id ("path::Class::name") -> its outcome and (for all but PASSED)
+    # the first lines of its error or skip reason; both have the same keys.
+    outcomes: dict[str, Outcome] = field(default_factory=dict)
     messages: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
-    exit_code: int = 0
+    exit_code: int = 0  # pytest's
 
-    def count(self, outcome: str) -> int:
-        return sum(1 for value in self.outcomes.values() if value == outcome)
+    def count(self, outcome: Outcome) -> int:
+        return sum(1 for value in self.outcomes.values() if value is outcome)
 
 
 @dataclass(frozen=True)
 class Comparison:
     version: str
-    tests: tuple[str, ...]
+    tests: tuple[str, ...]  # the test files or node ids that were run
     unpatched: TreeRun
     patched: TreeRun
 
@@ -72,7 +85,8 @@ class Comparison:
         return sorted(
             test
             for test, outcome in self.unpatched.outcomes.items()
-            if outcome == PASSED and self.patched.outcomes.get(test) != PASSED
+            if outcome is Outcome.PASSED
+            and self.patched.outcomes.get(test) is not Outcome.PASSED
         )
 
     @property
@@ -80,9 +94,9 @@ class Comparison:
         """Tests that do not pass on the unpatched tree, by their first error line."""
         groups: dict[str, list[str]] = defaultdict(list)
         for test, outcome in sorted(self.unpatched.outcomes.items()):
-            if outcome != PASSED:
-                reason = self.unpatched.messages.get(test, "") or outcome
-                groups[f"{outcome}: {reason}"].append(test)
+            if outcome is not Outcome.PASSED:
+                reason = self.unpatched.messages.get(test, "") or outcome.value
+                groups[f"{outcome.value}: {reason}"].append(test)
         return dict(groups)
 
     def report(self) -> str:
@@ -98,10 +112,11 @@ class Comparison:
             "| tree | passed | failed | errors | skipped | seconds |",
             "|---|---|---|---|---|---|",
         ]
-        for run in (self.unpatched, self.patched):
+        for tree in (self.unpatched, self.patched):
             lines.append(
-                f"| {run.name} | {run.count(PASSED)} | {run.count(FAILED)} | "
-                f"{run.count(ERROR)} | {run.count(SKIPPED)} | {run.seconds:.0f} |"
+                f"| {tree.name} | {tree.count(Outcome.PASSED)} | "
+                f"{tree.count(Outcome.FAILED)} | {tree.count(Outcome.ERROR)} | "
+                f"{tree.count(Outcome.SKIPPED)} | {tree.seconds:.0f} |"
             )
         regressions = self.regressions
         lines += [
@@ -109,14 +124,15 @@ class Comparison:
             f"## Regressions (pass unpatched, not patched): {len(regressions)}",
         ]
         lines += [""] + [
-            f"- `{test}`: {self.patched.outcomes.get(test, 'missing')}: "
+            f"- `{test}`: {_outcome_word(self.patched.outcomes.get(test))}: "
             f"{self.patched.messages.get(test, '')}"
             for test in regressions
         ]
         only_patched = sorted(
             test
             for test, outcome in self.patched.outcomes.items()
-            if outcome == PASSED and self.unpatched.outcomes.get(test) != PASSED
+            if outcome is Outcome.PASSED
+            and self.unpatched.outcomes.get(test) is not Outcome.PASSED
         )
         if only_patched:
             lines += ["", "## Pass only patched", ""]
@@ -189,7 +205,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="S",
         help="per-test timeout in seconds (pytest-timeout; default 300)",
     )
-    add_series_dir_argument(parser)
+    add_series_dir_option(parser)
     parser.set_defaults(handler=run_upstream_tests)
 
 
@@ -205,9 +221,9 @@ def run_upstream_tests(args: argparse.Namespace) -> int:
     )
     report = comparison.report()
     if args.report is not None:
-        args.report.write_text(report, encoding="utf-8")
+        atomic_write_text(args.report, report)
     print(report)
-    return 1 if comparison.regressions else 0
+    return EXIT_ERROR if comparison.regressions else EXIT_OK
 
 
 def listed_tests(
@@ -240,14 +256,19 @@ def compare(
 ) -> Comparison:
     series_root = series_root or default_series_root()
     tests = tests or listed_tests(series_root, version, extended=extended)
-    with tempfile.TemporaryDirectory(prefix="vllm-hs-upstream-") as scratch:
+    with (
+        tempfile.TemporaryDirectory(prefix="vllm-hs-upstream-") as scratch,
+        contextlib.ExitStack() as worktrees,
+    ):
         work = keep.resolve() if keep is not None else Path(scratch)
         staged = stage(
             version, dest=work / "repo", sdist=sdist, series_root=series_root
         )
         trees = {
-            "unpatched": _worktree(staged.repo, work / "unpatched", staged.base),
-            "patched": _worktree(staged.repo, work / "patched", staged.branch),
+            name: worktrees.enter_context(
+                staged.repo.worktree(work / name, ref, keep=keep is not None)
+            )
+            for name, ref in (("unpatched", staged.base), ("patched", staged.branch))
         }
         hf_home = write_offline_hub(work / "hf-home")
         missing = [
@@ -273,11 +294,6 @@ def compare(
             }
             runs = {name: future.result() for name, future in futures.items()}
     return Comparison(version, tuple(tests), runs["unpatched"], runs["patched"])
-
-
-def _worktree(repo: Repo, path: Path, ref: str) -> Path:
-    repo.git("worktree", "add", "-q", "--detach", str(path), ref)
-    return path
 
 
 def installed_vllm_dir() -> Path:
@@ -334,12 +350,11 @@ def _run_pytest(
         TRANSFORMERS_OFFLINE="1",
         OMP_NUM_THREADS="1",
     )
-    probe = subprocess.run(
+    probe = run(
         [sys.executable, "-c", "import vllm; print(vllm.__file__)"],
         cwd=tree,
         env=env,
-        capture_output=True,
-        text=True,
+        check=False,
     )
     if probe.returncode != 0 or not probe.stdout.strip().startswith(str(tree)):
         raise VllmHsError(
@@ -366,20 +381,20 @@ def _run_pytest(
         *tests,
     ]
     start = time.monotonic()
-    with log.open("w") as stream:
-        result = subprocess.run(
-            command, cwd=tree, env=env, stdout=stream, stderr=subprocess.STDOUT
-        )
-    run = TreeRun(name, seconds=time.monotonic() - start, exit_code=result.returncode)
+    result = run(command, what=f"pytest ({name})", cwd=tree, env=env, check=False)
+    log.write_text(result.stdout + result.stderr, encoding="utf-8")
+    tree_run = TreeRun(
+        name, seconds=time.monotonic() - start, exit_code=result.returncode
+    )
     if not junit.is_file():
         raise VllmHsError(f"pytest on the {name} tree wrote no report:\n{_tail(log)}")
-    read_junit(junit, run)
-    if result.returncode not in (0, 1) or not run.outcomes:
+    read_junit(junit, tree_run)
+    if result.returncode not in (0, 1) or not tree_run.outcomes:
         raise VllmHsError(
             f"pytest on the {name} tree failed to run (exit {result.returncode}):\n"
             f"{_tail(log)}"
         )
-    return run
+    return tree_run
 
 
 def read_junit(path: Path, run: TreeRun) -> None:
@@ -389,14 +404,26 @@ def read_junit(path: Path, run: TreeRun) -> None:
         module = file.removesuffix(".py").replace("/", ".")
         owner = case.get("classname", "").removeprefix(module).lstrip(".")
         test = "::".join(part for part in (file, owner, case.get("name")) if part)
-        outcome, message = PASSED, ""
+        outcome, message = Outcome.PASSED, ""
         for child in case:
-            if child.tag in ("failure", ERROR, SKIPPED):
-                outcome = FAILED if child.tag == "failure" else child.tag
+            if child.tag in _JUNIT_TAGS:
+                outcome = _JUNIT_TAGS[child.tag]
                 message = (child.get("message") or child.text or "").strip()
                 break
         run.outcomes[test] = outcome
         run.messages[test] = _first_line(message)
+
+
+# JUnit child elements of a testcase that is not PASSED.
+_JUNIT_TAGS = {
+    "failure": Outcome.FAILED,
+    "error": Outcome.ERROR,
+    "skipped": Outcome.SKIPPED,
+}
+
+
+def _outcome_word(outcome: Outcome | None) -> str:
+    return outcome.value if outcome is not None else "missing"
 
 
 def _first_line(message: str) -> str:

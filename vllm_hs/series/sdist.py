@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
-import shutil
-import sys
 import tarfile
 import urllib.error
 import urllib.parse
@@ -22,8 +21,11 @@ import urllib.request
 from html.parser import HTMLParser
 from pathlib import Path
 
-from vllm_hs.series import VllmHsError, sha256_file
-from vllm_hs.wheel import cache_root
+from vllm_hs.errors import VllmHsError
+from vllm_hs.fs import atomic_path, atomic_write_text, cache_root, staging_dir
+from vllm_hs.series.model import sha256_file
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_INDEX_URL = "https://pypi.org/simple"
 PROJECT = "vllm"
@@ -52,24 +54,23 @@ def fetch_sdist(version: str, cache_dir: Path | None = None) -> Path:
             return target
     url, expected = _find_on_index(version)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    partial = target.with_name(filename + ".part")
-    _progress(f"fetching {url}")
+    logger.info("fetching %s", url)
     digest = hashlib.sha256()
     try:
-        with urllib.request.urlopen(url, timeout=120) as response:
-            with partial.open("wb") as stream:
-                for block in iter(lambda: response.read(1 << 20), b""):
-                    digest.update(block)
-                    stream.write(block)
+        with atomic_path(target) as partial:  # removed unless complete and checked
+            with urllib.request.urlopen(url, timeout=120) as response:
+                with partial.open("wb") as stream:
+                    for block in iter(lambda: response.read(1 << 20), b""):
+                        digest.update(block)
+                        stream.write(block)
+            if expected and digest.hexdigest() != expected:
+                raise VllmHsError(
+                    f"{url}: sha256 {digest.hexdigest()} does not match the index's "
+                    f"{expected}"
+                )
     except (urllib.error.URLError, OSError) as error:
         raise VllmHsError(f"downloading {url} failed: {error}") from None
-    if expected and digest.hexdigest() != expected:
-        partial.unlink()
-        raise VllmHsError(
-            f"{url}: sha256 {digest.hexdigest()} does not match the index's {expected}"
-        )
-    partial.replace(target)
-    checksum_file.write_text(digest.hexdigest() + "\n")
+    atomic_write_text(checksum_file, digest.hexdigest() + "\n")
     return target
 
 
@@ -77,18 +78,17 @@ def unpack_sdist(archive: Path, dest: Path) -> Path:
     """Unpack the sdist's single top-level folder as `dest` (which must not exist)."""
     if dest.exists():
         raise VllmHsError(f"{dest} already exists")
-    scratch = dest.with_name(dest.name + ".unpacking")
-    shutil.rmtree(scratch, ignore_errors=True)
-    scratch.mkdir(parents=True)
-    with tarfile.open(archive) as tar:
-        # The "data" filter refuses links out of the tree and absolute paths and
-        # does not restore the archive's owners (a root-owned checkout, as git wants).
-        tar.extractall(scratch, filter="data")
-    entries = list(scratch.iterdir())
-    if len(entries) != 1 or not entries[0].is_dir():
-        raise VllmHsError(f"{archive} does not hold one top-level folder")
-    entries[0].rename(dest)
-    scratch.rmdir()
+    # The scratch folder (next to dest) is removed also when unpacking fails.
+    with staging_dir(dest.parent, dest.name) as scratch:
+        with tarfile.open(archive) as tar:
+            # The "data" filter refuses links out of the tree and absolute paths
+            # and does not restore the archive's owners (a root-owned checkout, as
+            # git wants).
+            tar.extractall(scratch, filter="data")
+        entries = list(scratch.iterdir())
+        if len(entries) != 1 or not entries[0].is_dir():
+            raise VllmHsError(f"{archive} does not hold one top-level folder")
+        entries[0].rename(dest)
     return dest
 
 
@@ -148,7 +148,3 @@ class _LinkParser(HTMLParser):
             match = re.fullmatch(r"sha256=([0-9a-f]{64})", fragment)
             self.links.append((data.strip(), url, match.group(1) if match else None))
             self._href = None
-
-
-def _progress(message: str) -> None:
-    print(f"vllm-hs: {message}", file=sys.stderr, flush=True)

@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from vllm_hs import status as status_module
-from vllm_hs.apply import apply_series
 from vllm_hs.cli import main
-from vllm_hs.status import installed_status, tree_status
+from vllm_hs.series import status as status_module
+from vllm_hs.series.apply import apply_series
+from vllm_hs.series.status import installed_status, tree_status
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -8,10 +8,8 @@ The result keeps the upstream distribution name and wheel tags and gets the vers
 from __future__ import annotations
 
 import argparse
-import json
-import os
+import logging
 import re
-import subprocess
 import sys
 import sysconfig
 import tempfile
@@ -24,16 +22,23 @@ from packaging.tags import sys_tags
 from packaging.utils import canonicalize_name, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
 
-from vllm_hs.apply import add_series_dir_argument, apply_series, read_marker
-from vllm_hs.series import (
+from vllm_hs.cli import EXIT_OK, add_series_dir_option
+from vllm_hs.errors import VllmHsError
+from vllm_hs.fs import cache_root
+from vllm_hs.proc import run
+from vllm_hs.series.apply import apply_series
+from vllm_hs.series.model import (
     MARKER_FILE,
     VERSION_FILE,
-    VllmHsError,
+    Marker,
     default_series_root,
     load_series,
+    read_marker,
     read_tree_version,
 )
-from vllm_hs.status import installed_status
+from vllm_hs.series.status import installed_status
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -134,7 +139,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="build even if --out already holds a wheel whose marker shows the same "
         "series applied to the same upstream files",
     )
-    add_series_dir_argument(parser)
+    add_series_dir_option(parser)
     parser.set_defaults(handler=run_wheel)
 
 
@@ -148,19 +153,12 @@ def run_wheel(args: argparse.Namespace) -> int:
     )
     if args.install:
         install_wheel(patched)
-    print(patched)
-    return 0
-
-
-def cache_root() -> Path:
-    """vllm-hs's cache: $VLLM_HS_CACHE, else $XDG_CACHE_HOME/vllm-hs (~/.cache)."""
-    if os.environ.get("VLLM_HS_CACHE"):
-        return Path(os.environ["VLLM_HS_CACHE"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "vllm-hs"
+    print(patched)  # the result, on stdout
+    return EXIT_OK
 
 
 def default_cache_dir() -> Path:
+    """Where downloaded upstream wheels are kept."""
     return cache_root() / "wheels"
 
 
@@ -172,7 +170,7 @@ def fetch_upstream_wheel(spec: str, cache_dir: Path) -> Path:
         raise VllmHsError(f"invalid requirement {spec!r}: {error}") from None
     exact_pin = any(s.operator in ("==", "===") for s in requirement.specifier)
     if exact_pin and (cached := find_cached_wheel(requirement, cache_dir)):
-        _progress(f"using cached {cached}")
+        logger.info("using cached %s", cached)
         return cached
 
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -186,10 +184,10 @@ def fetch_upstream_wheel(spec: str, cache_dir: Path) -> Path:
         ":all:",
         spec,
         "-d",
-        str(cache_dir),
+        cache_dir,
     ]
-    _progress(f"fetching {spec} into {cache_dir}")
-    _run(command, what=f"pip download {spec}", stream=True)
+    logger.info("fetching %s into %s", spec, cache_dir)
+    run(command, what=f"pip download {spec}", stream=True)
     downloaded = find_cached_wheel(requirement, cache_dir)
     if downloaded is None:
         raise VllmHsError(f"pip download {spec} left no matching wheel in {cache_dir}")
@@ -247,27 +245,29 @@ def build_patched_wheel(
         raise VllmHsError(f"{upstream} does not exist")
     name = WheelName.parse(upstream.name)
     if not rebuild and (existing := _up_to_date_build(upstream, out_dir, series_root)):
-        _progress(f"{existing} is up to date; reusing it (--rebuild to force)")
+        logger.info("%s is up to date; reusing it (--rebuild to force)", existing)
         return existing
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="vllm-hs-wheel-") as scratch:
-        _progress(f"unpacking {upstream.name}")
-        _run(
-            [sys.executable, "-m", "wheel", "unpack", "-d", scratch, str(upstream)],
+        logger.info("unpacking %s", upstream.name)
+        run(
+            [sys.executable, "-m", "wheel", "unpack", "-d", scratch, upstream],
             what="wheel unpack",
         )
         (unpacked,) = Path(scratch).iterdir()
         outcome = apply_series(unpacked, series_root)
-        _progress(
-            f"applied series {outcome.series.name} revision {outcome.series.revision}"
-            f" ({len(outcome.series.patches)} patches)"
+        logger.info(
+            "applied series %s revision %d (%d patches)",
+            outcome.series.name,
+            outcome.series.revision,
+            len(outcome.series.patches),
         )
         version = patched_version(name.version, outcome.series.revision)
         dist_info = _reversion(unpacked, version)
         _set_wheel_tags(dist_info / "WHEEL", name.tags)
-        _progress(f"packing {name.filename(version)}")
-        _run(
-            [sys.executable, "-m", "wheel", "pack", "-d", str(out_dir), str(unpacked)],
+        logger.info("packing %s", name.filename(version))
+        run(
+            [sys.executable, "-m", "wheel", "pack", "-d", out_dir, unpacked],
             what="wheel pack",
         )
     built = out_dir / name.filename(version)
@@ -297,14 +297,16 @@ def _up_to_date_build(
     with zipfile.ZipFile(candidate) as archive:
         if MARKER_FILE not in archive.namelist():
             return None
-        built_marker = json.loads(archive.read(MARKER_FILE))
+        built_marker = Marker.loads(
+            archive.read(MARKER_FILE), f"{candidate}:{MARKER_FILE}"
+        )
     return candidate if built_marker == expected_marker else None
 
 
 def install_wheel(path: Path) -> None:
     """pip install --no-deps --force-reinstall, unless this very build is installed."""
     if _is_installed(path):
-        _progress(f"{path.name} is already installed and intact; not reinstalling")
+        logger.info("%s is already installed and intact; not reinstalling", path.name)
         return
     command = [
         sys.executable,
@@ -313,10 +315,10 @@ def install_wheel(path: Path) -> None:
         "install",
         "--no-deps",
         "--force-reinstall",
-        str(path),
+        path,
     ]
-    _progress(f"installing {path.name} into {sys.prefix}")
-    _run(command, what="pip install", stream=True)
+    logger.info("installing %s into %s", path.name, sys.prefix)
+    run(command, what="pip install", stream=True)
 
 
 def _is_installed(path: Path) -> bool:
@@ -326,7 +328,7 @@ def _is_installed(path: Path) -> bool:
         return False
     name = WheelName.parse(path.name)
     with zipfile.ZipFile(path) as archive:
-        built_marker = json.loads(archive.read(MARKER_FILE))
+        built_marker = Marker.loads(archive.read(MARKER_FILE), f"{path}:{MARKER_FILE}")
     installed = [(canonicalize_name(d.name), d.version) for d in status.distributions]
     expected = (canonicalize_name(name.distribution), name.version)
     site_dirs = {sysconfig.get_paths()[key] for key in ("purelib", "platlib")}
@@ -373,22 +375,3 @@ def _set_wheel_tags(wheel_file: Path, tags: list[str]) -> None:
     wheel_file.write_text(
         "\n".join(kept + tag_lines) + (separator or "\n\n") + rest, encoding="utf-8"
     )
-
-
-def _run(command: list[str], *, what: str, stream: bool = False) -> None:
-    """Run a tool; stream=True shows its output (on stderr: stdout is for the path)."""
-    if stream:
-        sys.stderr.flush()
-        result = subprocess.run(command, stdout=sys.stderr, stderr=sys.stderr)
-        output = "(output above)"
-    else:
-        result = subprocess.run(
-            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-        )
-        output = result.stdout.decode(errors="replace").strip()
-    if result.returncode != 0:
-        raise VllmHsError(f"{what} failed (exit {result.returncode}):\n{output}")
-
-
-def _progress(message: str) -> None:
-    print(f"vllm-hs wheel: {message}", file=sys.stderr, flush=True)

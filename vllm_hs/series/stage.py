@@ -20,16 +20,16 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_hs.apply import add_series_dir_argument
-from vllm_hs.gitrepo import GitError, Repo
-from vllm_hs.sdist import fetch_sdist, unpack_sdist
-from vllm_hs.series import (
+from vllm_hs.cli import EXIT_OK, add_series_dir_option
+from vllm_hs.errors import VllmHsError
+from vllm_hs.series.git import GitError, Repo
+from vllm_hs.series.model import (
     Series,
-    VllmHsError,
     default_series_root,
     load_series,
     sha256_file,
 )
+from vllm_hs.series.sdist import fetch_sdist, unpack_sdist
 
 CONFIG_VERSION = "vllm-hs.version"
 CONFIG_BASE = "vllm-hs.base"
@@ -41,9 +41,9 @@ CONFIG_FROM = "vllm-hs.from"
 @dataclass(frozen=True)
 class FileChange:
     path: str
-    added: int
+    added: int  # lines (0 for a binary file)
     removed: int
-    new: bool
+    new: bool  # the file does not exist upstream
 
 
 @dataclass(frozen=True)
@@ -74,10 +74,10 @@ class Footprint:
 @dataclass(frozen=True)
 class StagedTree:
     repo: Repo
-    version: str
-    base: str
-    branch: str
-    series: Series
+    version: str  # X, the release staged on
+    base: str  # the tag v<X>
+    branch: str  # hidden-states-v<X>: one commit per patch on base
+    series: Series  # the series applied (V's for a bump --from V)
     # git's report when the bump's rebase stopped on a conflict, else None.
     conflict: str | None = None
 
@@ -146,7 +146,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="NAME",
         help="branch name (default: hidden-states-v<X>)",
     )
-    add_series_dir_argument(parser)
+    add_series_dir_option(parser)
     parser.set_defaults(handler=run_stage)
 
 
@@ -178,7 +178,7 @@ def run_stage(args: argparse.Namespace) -> int:
         f"on {staged.base} (series {staged.series.name} revision "
         f"{staged.series.revision})"
     )
-    return 0
+    return EXIT_OK
 
 
 def stage(
@@ -270,10 +270,8 @@ def apply_commits(repo: Repo, series: Series) -> None:
     """`git am` every patch of the series, in order, onto the checked-out branch."""
     for patch in series.patches:
         try:
-            # --keep-non-patch: a "[Core] ..." subject keeps its vLLM-style tag.
-            repo.git("am", "-q", "--keep-non-patch", str(patch.path))
+            repo.am(patch.path)
         except GitError as error:
-            repo.git("am", "--abort", check=False)
             raise VllmHsError(
                 f"{patch.name} does not apply to {repo.path}:\n{error.output}"
             ) from None

