@@ -245,15 +245,22 @@ def _render(
     messages: Sequence[dict[str, str]],
     add_generation_prompt: bool,
     chat_template: str | None,
-) -> list[int]:
-    ids = tokenizer.apply_chat_template(
+    *,
+    assistant_mask: bool = False,
+) -> tuple[list[int], list[int] | None]:
+    """Token ids of the rendered conversation, and with `assistant_mask` the
+    template's ``{% generation %}`` mask (else None)."""
+    enc = tokenizer.apply_chat_template(
         list(messages),
         tokenize=True,
         add_generation_prompt=add_generation_prompt,
         chat_template=chat_template,
         return_dict=True,
-    )["input_ids"]
-    return [int(t) for t in ids]
+        return_assistant_tokens_mask=assistant_mask,
+    )
+    ids = [int(t) for t in enc["input_ids"]]
+    mask = [int(m) for m in enc["assistant_masks"]] if assistant_mask else None
+    return ids, mask
 
 
 def render_with_mask(
@@ -277,16 +284,14 @@ def render_with_mask(
         )
     try:
         if has_generation_markers(template):
-            enc = tokenizer.apply_chat_template(
-                list(messages),
-                tokenize=True,
-                add_generation_prompt=add_generation_prompt,
-                chat_template=template,
-                return_dict=True,
-                return_assistant_tokens_mask=True,
+            ids, marked = _render(
+                tokenizer,
+                messages,
+                add_generation_prompt,
+                template,
+                assistant_mask=True,
             )
-            ids = [int(t) for t in enc["input_ids"]]
-            mask = [int(m) for m in enc["assistant_masks"]]
+            mask = marked or []
         else:
             ids, mask = _prefix_mask(
                 tokenizer, messages, add_generation_prompt, template
@@ -308,13 +313,13 @@ def _prefix_mask(
     add_generation_prompt: bool,
     template: str,
 ) -> tuple[list[int], list[int]]:
-    full = _render(tokenizer, messages, add_generation_prompt, template)
+    full, _ = _render(tokenizer, messages, add_generation_prompt, template)
     mask = [0] * len(full)
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = _render(tokenizer, messages[:i], True, template)
-        through = _render(tokenizer, messages[: i + 1], False, template)
+        before, _ = _render(tokenizer, messages[:i], True, template)
+        through, _ = _render(tokenizer, messages[: i + 1], False, template)
         if through[: len(before)] != before or full[: len(through)] != through:
             raise LossMaskError(
                 f"the chat template is not prefix-stable at assistant message {i}: "
