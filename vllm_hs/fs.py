@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -55,17 +56,18 @@ def dir_mode() -> int:
 
 @contextlib.contextmanager
 def atomic_path(target: Path) -> Iterator[Path]:
-    """Yield a temporary path next to `target` for the caller to write; on success
-    give it the umask's file mode and move it over `target`, else remove it.
+    """Yield a temporary path next to `target` for the caller to create and
+    write; on success move it over `target`, else remove it.
 
-    For writers that want a path (safetensors' `save_file`, `torch.save`).
+    For writers that want a path (safetensors' `save_file`, `torch.save`). The
+    path does not exist yet: the writer creates it like any new file, so it
+    gets the umask's mode (`file_mode`), and no extra file-system call is
+    spent on it (extraction writes one file per sample). The name is unique
+    per process and thread: `.{name}.{pid}-{thread}.tmp`.
     """
-    handle, name = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    os.close(handle)
-    tmp = Path(name)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}-{threading.get_ident()}.tmp")
     try:
         yield tmp
-        os.chmod(tmp, file_mode())  # mkstemp makes it 0600
         os.replace(tmp, target)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -90,7 +92,9 @@ def atomic_copy(source: Path, target: Path, *, link: bool = False) -> None:
     """Make `target` a copy of `source` (a hard link, sharing the source's mode,
     when `link` and the file system allows it), atomically."""
     if link:
-        tmp = target.with_name(f".{target.name}.{os.getpid()}.link")
+        tmp = target.with_name(
+            f".{target.name}.{os.getpid()}-{threading.get_ident()}.link"
+        )
         tmp.unlink(missing_ok=True)
         try:
             os.link(source, tmp)

@@ -396,6 +396,8 @@ def test_non_finite_scan(dtype: str):
     info = torch.finfo(states.dtype)
     states[0, 0, 0], states[1, 1, 1], states[2, 2, 2] = info.max, -info.max, info.tiny
     assert _first_non_finite(states) is None
+    # Finite values whose sum overflows: the quick summing pass must not decide.
+    assert _first_non_finite(torch.full_like(states, info.max / 2)) is None
     for value in (float("nan"), float("inf"), float("-inf")):
         bad = states.clone()
         bad[5, 0, 3] = value
