@@ -16,6 +16,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from benchmarks.common import (
     RESULTS_ROOT,
@@ -73,18 +74,38 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def compare_summaries(
+    old: dict[str, Any], new: dict[str, Any], threshold: float
+) -> tuple[str, float]:
+    """The gate's verdict on two suite summaries ({median, min, max,
+    higher_is_better}) and the relative change of the median (positive: better).
+
+    "worse" needs both: the median lost more than `threshold`, and the new
+    median lies outside the old run's [min, max] on the losing side (a drop
+    that the old run's own spread covers is noise on these machines, not a
+    regression). "noisy": the median lost more than `threshold` but within the
+    old spread; rerun with more rounds before trusting it. "ok" otherwise.
+    """
+    o, n = old["median"], new["median"]
+    higher = new["higher_is_better"]
+    change = (n - o) / o if higher else (o - n) / o
+    if change >= -threshold:
+        return "ok", change
+    outside = n < old["min"] if higher else n > old["max"]
+    return ("worse" if outside else "noisy"), change
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     old = json.loads(Path(args.old).read_text())
     new = json.loads(Path(args.new).read_text())
     if old["suite"] != new["suite"]:
         print(f"different suites: {old['suite']} vs {new['suite']}", file=sys.stderr)
         return 2
-    o, n = old["summary"]["median"], new["summary"]["median"]
-    higher = new["summary"]["higher_is_better"]
-    change = (n - o) / o if higher else (o - n) / o
-    verdict = "worse" if change < -args.threshold else "ok"
+    o, n = old["summary"], new["summary"]
+    verdict, change = compare_summaries(o, n, args.threshold)
     print(
-        f"{new['suite']}: {new['summary']['metric']}: {o:.4f} -> {n:.4f} "
+        f"{new['suite']}: {n['metric']}: {o['median']:.4f} [{o['min']:.4f}, "
+        f"{o['max']:.4f}] -> {n['median']:.4f} [{n['min']:.4f}, {n['max']:.4f}] "
         f"({change:+.1%}, threshold -{args.threshold:.0%}): {verdict}"
     )
     return 1 if verdict == "worse" else 0
@@ -148,7 +169,11 @@ def main(argv: list[str] | None = None) -> int:
         "--out", type=Path, default=None, help=f"results root (default: {RESULTS_ROOT})"
     )
     run.set_defaults(handler=cmd_run)
-    compare = sub.add_parser("compare", help="gate: exit 1 if NEW is worse than OLD")
+    compare = sub.add_parser(
+        "compare",
+        help="gate: exit 1 if NEW is worse than OLD beyond the threshold and "
+        "outside OLD's min-max spread",
+    )
     compare.add_argument("old")
     compare.add_argument("new")
     compare.add_argument(
