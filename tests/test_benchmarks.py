@@ -9,9 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.__main__ import compare_summaries
-
 REPO = Path(__file__).resolve().parent.parent
+# `benchmarks` is not installed: appended (not prepended) so that vllm_hs still
+# comes from the installed wheel under tox.
+if str(REPO) not in sys.path:
+    sys.path.append(str(REPO))
+
+from benchmarks.__main__ import compare_summaries  # noqa: E402
 
 
 def summary(median: float, low: float, high: float, higher: bool = True) -> dict:
