@@ -12,6 +12,9 @@
   channel against vLLM's own extract_hidden_states connector; the CPU threads
   the same on both sides (one core reserved, or none), or each engine's default
   (which differ: see NATIVE_BINDINGS).
+- memory: one long prompt-states request (all layers) against the same request
+  without states: the engine core's peak memory growth against the per-request
+  byte cap.
 Every workload records per-process peak memory (frontend, engine core, worker).
 Extraction against plain prefill and HF transformers is `benchmarks/extraction.py`
 (`python -m benchmarks.extraction`); the response encoding is
@@ -342,6 +345,113 @@ def transport(settings: Settings) -> SuiteResult:
     )
 
 
+LONG_PROMPT = 8192  # tokens of the memory suite's request (at least)
+
+
+def memory(settings: Settings) -> SuiteResult:
+    """One long prompt-states request (all L+1 layers, prefill only) against the
+    same request without states, alternating on one multiprocess engine whose
+    per-request cap is 1.25x that request's rows: how much the engine core's
+    peak resident memory grows, against its bound. The engine core holds a
+    request's prompt rows once (at most the cap) plus the rows of the step in
+    flight (at most max_num_batched_tokens rows, received from the worker
+    before they are folded in): the bound is their sum."""
+    t0 = time.perf_counter()
+    prompt_len = max(settings.prompt_len, LONG_PROMPT)
+    path, sizes = model_dir(settings)
+    if settings.model in MODELS:
+        # The seeded model with room for the long prompt (same weights).
+        from vllm_hs.tiny_model import build_tiny_model
+
+        path = str(
+            build_tiny_model(
+                "llama",
+                "float32",
+                **sizes,
+                max_position_embeddings=prompt_len + 64,
+            )
+        )
+    vocab = sizes.get("vocab_size", 1024)
+    num_layers = sizes.get("num_hidden_layers", 4)
+    layers = list(range(num_layers + 1))
+    hidden = sizes.get("hidden_size", 128)
+    if settings.model not in MODELS:
+        config = json.loads((Path(path) / "config.json").read_text())
+        hidden = int(config.get("text_config", config)["hidden_size"])
+    row_bytes = prompt_len * len(layers) * hidden * _dtype_bytes(settings.dtype)
+    cap = int(row_bytes * 1.25)
+    engine = engine_kwargs(settings, None)
+    engine["hidden_states_config"] = {"layers": layers, "max_bytes_per_request": cap}
+    engine["max_model_len"] = prompt_len + 16
+    spec = _spec(
+        settings,
+        path,
+        vocab,
+        prompts=1,
+        prompt_len=prompt_len,
+        max_tokens=1,
+        rounds=settings.rounds,
+        variants={"states": {"prompt": True, "output": False}, "plain": None},
+        engine=engine,
+    )
+    spec["mode"] = "mp"
+    result = run_workload(sys.executable, spec)
+    out = result["timings"]
+    step_tokens = result["engine"]["config"]["max_num_batched_tokens"]
+    step_bytes = min(step_tokens, prompt_len) * (row_bytes // prompt_len)
+    bound = cap + step_bytes
+    rounds = []
+    for r, (with_states, plain) in enumerate(
+        zip(out["states"], out["plain"], strict=True)
+    ):
+        growth = with_states["peak_rss_engine_core"] - plain["peak_rss_engine_core"]
+        frontend = with_states["peak_rss_frontend"] - plain["peak_rss_frontend"]
+        assert with_states["state_bytes"] == row_bytes, (with_states, row_bytes)
+        rounds.append(
+            {
+                "round": r,
+                "states": with_states,
+                "plain": plain,
+                "row_bytes": row_bytes,
+                "cap_bytes": cap,
+                "step_bytes": step_bytes,
+                "engine_core_growth_bytes": growth,
+                "frontend_growth_bytes": frontend,
+                "ratio": growth / bound,
+            }
+        )
+    summary = summarize(
+        [r["ratio"] for r in rounds],
+        f"engine-core peak RSS growth with states of a {prompt_len}-token prompt "
+        f"(all {len(layers)} layers) / (max_bytes_per_request (1.25x its rows) "
+        "+ one step's rows)",
+        False,
+        1.0,
+    )
+    return _result(
+        "memory",
+        "peak resident memory of the engine core under one long prompt-states "
+        "request against the same request without states (multiprocess engine, "
+        "alternating); the growth must stay under the per-request byte cap "
+        "plus the rows of one scheduler step in flight",
+        settings,
+        rounds,
+        summary,
+        t0,
+        memory={"with states": out["states"], "without states": out["plain"]},
+        prompts=1,
+        prompt_len=prompt_len,
+        max_tokens=1,
+        row_bytes=row_bytes,
+        cap_bytes=cap,
+        step_bytes=step_bytes,
+    )
+
+
+def _dtype_bytes(dtype: str) -> int:
+    return {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 2)
+
+
 def _prefill_spec(settings: Settings, path: str, vocab: int, **kw: Any) -> dict:
     import tempfile
 
@@ -546,6 +656,7 @@ def native_default(settings: Settings) -> SuiteResult:
 
 
 SUITES = {
+    "memory": memory,
     "overhead": overhead,
     "overhead_config": overhead_config,
     "capture": capture,
