@@ -48,13 +48,16 @@ def test_atomic_writes_follow_the_umask(tmp_path: Path, umask_027: None) -> None
     with fs.atomic_path(tmp_path / "d.bin") as tmp:
         tmp.write_bytes(b"d")
     fs.atomic_copy(blob, tmp_path / "e.bin", link=False)
+    with fs.atomic_path(tmp_path / "f.bin") as tmp:
+        # A writer that creates its file privately, as safetensors does.
+        os.close(os.open(tmp, os.O_CREAT | os.O_WRONLY, 0o600))
     plain = tmp_path / "plain"
     plain.write_text("reference")  # what open() gives under this umask
-    for path in (text, blob, doc, tmp_path / "d.bin", tmp_path / "e.bin"):
+    for path in (text, blob, doc, *(tmp_path / f"{n}.bin" for n in "def")):
         assert mode(path) == mode(plain) == 0o640, path
     assert doc.read_text() == '{\n "a": [\n  2\n ],\n "b": 1\n}\n'
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "a.txt", "b.bin", "c.json", "d.bin", "e.bin", "plain",
+        "a.txt", "b.bin", "c.json", "d.bin", "e.bin", "f.bin", "plain",
     ]  # fmt: skip
 
 

@@ -57,17 +57,20 @@ def dir_mode() -> int:
 @contextlib.contextmanager
 def atomic_path(target: Path) -> Iterator[Path]:
     """Yield a temporary path next to `target` for the caller to create and
-    write; on success move it over `target`, else remove it.
+    write; on success give it the umask's mode (`file_mode`) and move it over
+    `target`, else remove it.
 
     For writers that want a path (safetensors' `save_file`, `torch.save`). The
-    path does not exist yet: the writer creates it like any new file, so it
-    gets the umask's mode (`file_mode`), and no extra file-system call is
-    spent on it (extraction writes one file per sample). The name is unique
-    per process and thread: `.{name}.{pid}-{thread}.tmp`.
+    path does not exist yet: nothing is spent creating it (extraction writes
+    one file per sample). The mode is set explicitly because some writers
+    create their file privately (safetensors writes a 0600 temporary file and
+    renames it). The name is unique per process and thread:
+    `.{name}.{pid}-{thread}.tmp`.
     """
     tmp = target.with_name(f".{target.name}.{os.getpid()}-{threading.get_ident()}.tmp")
     try:
         yield tmp
+        os.chmod(tmp, file_mode())
         os.replace(tmp, target)
     except BaseException:
         tmp.unlink(missing_ok=True)
