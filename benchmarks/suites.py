@@ -73,6 +73,7 @@ def model_dir(settings: Settings) -> tuple[str, dict[str, int]]:
         sizes = {
             "num_hidden_layers": int(config["num_hidden_layers"]),
             "vocab_size": int(config["vocab_size"]),
+            "hidden_size": int(config["hidden_size"]),
         }
         return settings.model, sizes
     from vllm_hs.tiny_model import build_tiny_model
@@ -374,10 +375,7 @@ def memory(settings: Settings) -> SuiteResult:
     vocab = sizes.get("vocab_size", 1024)
     num_layers = sizes.get("num_hidden_layers", 4)
     layers = list(range(num_layers + 1))
-    hidden = sizes.get("hidden_size", 128)
-    if settings.model not in MODELS:
-        config = json.loads((Path(path) / "config.json").read_text())
-        hidden = int(config.get("text_config", config)["hidden_size"])
+    hidden = sizes.get("hidden_size", 128)  # 128: the tiny model's default
     row_bytes = prompt_len * len(layers) * hidden * _dtype_bytes(settings.dtype)
     cap = int(row_bytes * 1.25)
     engine = engine_kwargs(settings, None)
