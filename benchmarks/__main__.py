@@ -57,19 +57,23 @@ def cmd_run(args: argparse.Namespace) -> int:
     for name in args.suites.split(","):
         print(f"== {name} ({release}, model {settings.model})", flush=True)
         load_before = os.getloadavg()
-        result = SUITES[name](settings)
-        if result is None:
+        produced = SUITES[name](settings)
+        if produced is None:
             continue
-        result.load_average = {"before": load_before, "after": os.getloadavg()}
-        result.machine = machine
-        result.versions = versions
-        path = write_result(result, release, args.out)
-        s = result.summary
-        print(
-            f"{name}: {s.metric}: median {s.median:.4f} "
-            f"[min {s.min:.4f}, max {s.max:.4f}] -> {path}",
-            flush=True,
-        )
+        # A suite may give several figures from the same runs (a list).
+        results = produced if isinstance(produced, list) else [produced]
+        load_after = os.getloadavg()
+        for result in results:
+            result.load_average = {"before": load_before, "after": load_after}
+            result.machine = machine
+            result.versions = versions
+            path = write_result(result, release, args.out)
+            s = result.summary
+            print(
+                f"{result.suite}: {s.metric}: median {s.median:.4f} "
+                f"[min {s.min:.4f}, max {s.max:.4f}] -> {path}",
+                flush=True,
+            )
     write_report(args.out or RESULTS_ROOT)
     return 0
 

@@ -6,10 +6,12 @@ a batch alternately, print one JSON line of timings.
 Runs under any vLLM install, patched or not (variants that ask for hidden states
 need the patched one). Spec keys: model, engine (LLM kwargs), prompts (count),
 prompt_len, max_tokens, rounds, variants ({name: hidden_states or null}),
-mode ("mp" or "inproc"), memcpy_mib (0 to skip), warmup ("full" batch, the
-default, or "short"), write_dir and native (write each request's states to disk;
-see write_outputs). Each timing records per-process peak memory (PeakRss); the
-result records the engine's effective settings and CPU threads (engine_facts).
+mode ("mp" or "inproc"), memcpy_mib (0 to skip), ipc_hop (time one ZeroMQ
+IPC hop of the largest batch's state bytes, one frame per prompt), warmup
+("full" batch, the default, or "short"), write_dir and native (write each
+request's states to disk; see write_outputs). Each timing records per-process
+peak memory (PeakRss); the result records the engine's effective settings and
+CPU threads (engine_facts).
 """
 
 from __future__ import annotations
@@ -221,6 +223,51 @@ def memcpy_bandwidth(mib: int) -> float:
     return src.numel() / best
 
 
+def _ipc_hop_receiver(address: str, rounds: int) -> None:
+    import zmq
+
+    sock = zmq.Context().socket(zmq.PAIR)
+    sock.connect(address)
+    for _ in range(rounds):
+        frames = sock.recv_multipart(copy=False)
+        del frames
+        sock.send(b"k")
+    sock.close(linger=0)
+
+
+def ipc_hop_seconds(nbytes: int, frames: int, rounds: int = 10) -> float:
+    """Seconds for one ZeroMQ IPC hop of `nbytes` in `frames` frames between
+    two processes (sent without a copy, received into the receiver's own
+    buffers, as vLLM sends engine outputs): median of `rounds` messages, each
+    timed until the receiver acknowledges it."""
+    import multiprocessing
+    import statistics
+    import tempfile
+
+    import numpy as np
+    import zmq
+
+    address = f"ipc://{tempfile.mktemp(prefix='vllm-hs-hop-')}"
+    sock = zmq.Context().socket(zmq.PAIR)
+    sock.bind(address)
+    child = multiprocessing.get_context("spawn").Process(
+        target=_ipc_hop_receiver, args=(address, rounds + 1)
+    )
+    child.start()
+    size = max(nbytes // frames, 1)
+    payload = [np.ones(size, dtype=np.uint8) for _ in range(frames)]
+    times = []
+    for r in range(rounds + 1):  # the first one connects and warms up
+        t0 = time.perf_counter()
+        sock.send_multipart([memoryview(b) for b in payload], copy=False)
+        sock.recv()
+        if r:
+            times.append(time.perf_counter() - t0)
+    child.join()
+    sock.close(linger=0)
+    return statistics.median(times)
+
+
 def write_outputs(
     llm: Any, outs: list, spec: dict[str, Any], tag: str, tp: Any
 ) -> None:
@@ -355,9 +402,13 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             )
             del outs
     result = {"start_s": start_s, "timings": timings, "engine": facts}
+    llm.llm_engine.engine_core.shutdown()
     if spec.get("memcpy_mib"):
         result["memcpy_bytes_per_s"] = memcpy_bandwidth(spec["memcpy_mib"])
-    llm.llm_engine.engine_core.shutdown()
+    if spec.get("ipc_hop"):
+        # After the engine has stopped: the hop alone on the machine.
+        state_bytes = max(t["state_bytes"] for ts in timings.values() for t in ts)
+        result["ipc_hop_s"] = ipc_hop_seconds(state_bytes, spec["prompts"])
     return result
 
 
