@@ -6,16 +6,18 @@ a batch alternately, print one JSON line of timings.
 Runs under any vLLM install, patched or not (variants that ask for hidden states
 need the patched one). Spec keys: model, engine (LLM kwargs), prompts (count),
 prompt_len, max_tokens, rounds, variants ({name: hidden_states or null}),
-mode ("mp" or "inproc"), memcpy_mib (0 to skip), ipc_hop (time one ZeroMQ
-IPC hop of the largest batch's state bytes, one frame per prompt), warmup
-("full" batch, the default, or "short"), write_dir and native (write each
-request's states to disk; see write_outputs). Each timing records per-process
+mode ("mp" or "inproc"), memcpy_mib (0 to skip), ipc_hop (bytes: time one
+ZeroMQ IPC hop of that many bytes, one frame per prompt), peak_rss
+(false: no memory sampling), warmup ("full" batch, the default, or "short"),
+write_dir and native (write each request's states to disk; see
+write_outputs). Each timing records per-process
 peak memory (PeakRss); the result records the engine's effective settings and
 CPU threads (engine_facts).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -355,6 +357,10 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             **kwargs,
         )
 
+    ipc_hop_s = None
+    if spec.get("ipc_hop"):
+        # Before the engine starts: the hop alone on the machine.
+        ipc_hop_s = ipc_hop_seconds(int(spec["ipc_hop"]), spec["prompts"], rounds=20)
     t0 = time.perf_counter()
     llm = LLM(spec["model"], **spec["engine"])
     start_s = time.perf_counter() - t0
@@ -372,7 +378,10 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     for r in range(spec["rounds"]):
         order = names if r % 2 == 0 else names[::-1]
         for name in order:
-            with PeakRss() as rss:
+            # The sampler's thread costs the frontend's core a little CPU; a
+            # figure that needs no memory can run without it (peak_rss false).
+            rss = PeakRss() if spec.get("peak_rss", True) else None
+            with rss or contextlib.nullcontext():
                 t0 = time.perf_counter()
                 outs = llm.generate(prompts, params(variants[name]), use_tqdm=False)
                 generate_s = time.perf_counter() - t0
@@ -397,7 +406,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                     "generate_tokens_per_s": tokens / generate_s,
                     "state_bytes": state_bytes,
                     "state_bytes_per_s": state_bytes / wall,
-                    **rss.fields(),
+                    **(rss.fields() if rss else {}),
                 }
             )
             del outs
@@ -405,10 +414,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     llm.llm_engine.engine_core.shutdown()
     if spec.get("memcpy_mib"):
         result["memcpy_bytes_per_s"] = memcpy_bandwidth(spec["memcpy_mib"])
-    if spec.get("ipc_hop"):
-        # After the engine has stopped: the hop alone on the machine.
-        state_bytes = max(t["state_bytes"] for ts in timings.values() for t in ts)
-        result["ipc_hop_s"] = ipc_hop_seconds(state_bytes, spec["prompts"])
+    if ipc_hop_s is not None:
+        result["ipc_hop_s"] = ipc_hop_s
     return result
 
 

@@ -31,6 +31,7 @@ from vllm_hs.extract.inputs import (
 )
 from vllm_hs.extract.layers import parse_layers
 from vllm_hs.extract.runner import extract
+from vllm_hs.extract.storage import STORAGE_CHOICES
 
 __all__ = ["DEFAULT_OUTPUT", "EMBEDDED_ENGINE_DEFAULTS", "add_parser", "run"]
 
@@ -64,7 +65,8 @@ ArrowDataset(datapath=OUTPUT) or train.py --data-path OUTPUT):
   OUTPUT/data-*.arrow, dataset_info.json, state.json   Arrow dataset: input_ids
       int64 [T], loss_mask int64 0/1 [T], seq_len int (one row per sample)
   OUTPUT/hidden_states/hs_{i}.safetensors   row i: hidden_states [T, K, H] in
-      the model dtype (columns = --layers), token_ids int64 [T]
+      the model dtype or --storage-dtype (columns = --layers), token_ids int64
+      [T]; with --storage-dtype fp8 also hidden_states_scales float32 [T, 1, 1]
   OUTPUT/token_freq.pt          counts of the loss-masked token ids (for
       train.py --draft-vocab-size)
   OUTPUT/vllm_hs_extract.json   settings, what each column is, summary
@@ -92,6 +94,14 @@ the engine and --regenerate's sampling. --layers sets the engine's
 --enforce-eager --kv-cache-memory-bytes 256MiB unless these are given.
 --max-length is the longest sample (the engine's --max-model-len - 1 by
 default; raise --max-model-len for longer samples).
+
+fp8 storage: hidden_states float8_e4m3fn and one float32 scale per token over
+all its layers (amax / 448), the layout of hs-connectors' FP8HiddenStatesConnector.
+Read it through hs_connectors.transfer.FP8Transfer, e.g.
+ArrowDataset(datapath=OUTPUT, transfer=FP8Transfer(OUTPUT / "hidden_states")),
+or 'speculators train --hidden-states-backend fp8': speculators'
+check_hidden_states cannot read these files, and its default reader would hand
+the fp8 values to training without their scales.
 
 file modes: every file is written with the mode the umask gives new files
 (umask 022: 0644).
@@ -236,6 +246,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         action="store_false",
         help="skip the NaN/Inf scan of every sample (row count, layer count and "
         "hidden size are always checked)",
+    )
+    parser.add_argument(
+        "--storage-dtype",
+        choices=STORAGE_CHOICES,
+        default="auto",
+        help="dtype of hidden_states in the hs files: auto = the model's; "
+        "bfloat16/float16 round each value (a sample beyond float16's range is "
+        "rejected); fp8 = speculators' FP8 layout (float8_e4m3fn with a float32 "
+        "scale per token in hidden_states_scales; read it through "
+        "hs-connectors' FP8Transfer, see below) (default: %(default)s)",
     )
     parser.add_argument(
         "--buffer-mib",
@@ -455,6 +475,7 @@ def run(args: argparse.Namespace) -> int:
             progress=args.progress,
             data=str(data),
             engine_options=_jsonable(engine_kwargs),
+            storage_dtype=args.storage_dtype,
         )
     finally:
         with contextlib.suppress(Exception):

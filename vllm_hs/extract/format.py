@@ -8,8 +8,10 @@ An output directory OUTPUT holds::
         sample; columns input_ids int64 [T], loss_mask int64 0/1 [T] (1 on
         assistant tokens), seq_len int64 (= T). Written by `write_arrow`.
     OUTPUT/hidden_states/hs_{i}.safetensors          (`HS_DIR`, `hs_path`)
-        row i of the dataset: tensors hidden_states [T, K, H] (the model dtype,
-        column k = layer ``manifest.layers[k]``) and token_ids int64 [T]
+        row i of the dataset: tensors hidden_states [T, K, H] (``manifest.dtype``:
+        the model's, or --storage-dtype's; column k = layer
+        ``manifest.layers[k]``), in the fp8 layout also hidden_states_scales
+        float32 [T, 1, 1] (see `vllm_hs.extract.storage`), and token_ids int64 [T]
         (= input_ids of row i); header metadata ``"vllm_hs"`` = JSON
         ``{"input_index": n, "loss_mask": "0011..."}``: the input conversation
         it came from and its loss mask, so --resume and --merge can check and
@@ -58,6 +60,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from vllm_hs import fs
 from vllm_hs.errors import VllmHsError
+from vllm_hs.extract.safetensors_file import write_safetensors
 
 if TYPE_CHECKING:
     from vllm_hs.extract.inputs import Sample
@@ -100,8 +103,8 @@ FORMAT_DESCRIPTION = (
     "hidden_states/hs_{i}.safetensors (hidden_states, token_ids)"
 )
 
-#: The one metadata key of an hs file (safetensors stores metadata in a hash map:
-#: several keys would come out in a different order in every process).
+#: The one metadata key of an hs file (one key, so that readers that keep
+#: safetensors metadata in a hash map cannot reorder it).
 _METADATA_KEY = "vllm_hs"
 _ARROW_CHUNK_ROWS = 4096
 
@@ -222,7 +225,8 @@ class Manifest:
     "what"}: the same information as ``layers``, for a human reader."""
     num_hidden_layers: int
     dtype: str
-    """torch dtype name of hidden_states, e.g. "float32", "bfloat16"."""
+    """torch dtype name of hidden_states in the hs files, e.g. "float32",
+    "bfloat16", "float8_e4m3fn" (--storage-dtype)."""
     hidden_size: int
     max_length: int
     """Longest sample in tokens; longer conversations are skipped."""
@@ -250,6 +254,11 @@ class Manifest:
     """Rows of skipped.jsonl with stage "validate"."""
     merged_from: list[str] | None = None
     """--merge: the shard directories this dataset was merged from."""
+    model_dtype: str | None = None
+    """The engine's dtype, when the files store another (--storage-dtype)."""
+    reading: str | None = None
+    """What a reader of these files must know beyond ``format`` (the fp8
+    layout's scales; `vllm_hs.extract.storage.reading_note`)."""
 
     _OPTIONAL = (
         "data",
@@ -260,6 +269,8 @@ class Manifest:
         "skipped",
         "rejected",
         "merged_from",
+        "model_dtype",
+        "reading",
     )
 
     def to_json(self) -> dict[str, Any]:
@@ -347,18 +358,22 @@ class HsFileMeta(NamedTuple):
 
 
 def save_hs_file(
-    path: Path, states: Any, token_ids: Any, index: int, mask: Sequence[int]
+    path: Path,
+    states: dict[str, Any],
+    token_ids: Any,
+    index: int,
+    mask: Sequence[int],
 ) -> int:
     """Write one hs file atomically; returns its size.
 
-    ``states`` [T, K, H] and ``token_ids`` int64 [T] are torch tensors."""
-    from safetensors.torch import save_file
-
+    ``states``: ``hidden_states`` [T, K, H] and, in the fp8 layout, its
+    ``hidden_states_scales`` (`vllm_hs.extract.storage.encode_states`);
+    ``token_ids`` int64 [T]; all torch tensors."""
     meta = {"input_index": index, "loss_mask": "".join("1" if m else "0" for m in mask)}
     with fs.atomic_path(path) as tmp:
-        save_file(
-            {"hidden_states": states, "token_ids": token_ids},
-            str(tmp),
+        write_safetensors(
+            tmp,
+            {**states, "token_ids": token_ids},
             metadata={_METADATA_KEY: json.dumps(meta, sort_keys=True)},
         )
     return path.stat().st_size
@@ -509,9 +524,9 @@ def write_token_freq(output: Path, rows: Sequence[Row]) -> None:
 
 def remove_temp_files(output: Path) -> None:
     """Delete what an interrupted run leaves: files starting with ``.`` in
-    ``output`` and its hidden_states (our atomic writes' temporary names and the
-    ``.tmpXXXXXX`` files safetensors writes before its own rename) other than the
-    compaction journal, and ``.tmp-*`` staging directories."""
+    ``output`` and its hidden_states (our atomic writes' temporary names, and
+    the ``.tmpXXXXXX`` files of runs that wrote through safetensors' own writer)
+    other than the compaction journal, and ``.tmp-*`` staging directories."""
     for directory in (output, output / HS_DIR):
         if not directory.is_dir():
             continue

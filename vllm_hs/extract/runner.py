@@ -49,6 +49,7 @@ from vllm_hs.extract.inputs import (
 )
 from vllm_hs.extract.layers import describe_layers
 from vllm_hs.extract.outdir import finalize, finish_compaction, open_output
+from vllm_hs.extract.storage import reading_note, stored_dtype
 from vllm_hs.extract.writer import WriteJob, Writer
 
 __all__ = ["extract"]
@@ -78,6 +79,7 @@ def extract(
     progress: bool = True,
     data: str | None = None,
     engine_options: dict[str, Any] | None = None,
+    storage_dtype: str = "auto",
 ) -> ExtractResult:
     """Extract hidden states of ``conversations`` with ``llm`` (a `vllm.LLM`
     started with ``hidden_states_config`` covering ``layers``) into ``output``
@@ -87,7 +89,8 @@ def extract(
     continues a run in ``output`` that was made with the same settings; without
     it ``output`` must not hold a run. At most ``buffer_bytes`` of states are in
     flight or waiting to be written. ``data`` and ``engine_options`` are only
-    recorded in the manifest.
+    recorded in the manifest. ``storage_dtype`` (`vllm_hs.extract.storage`):
+    "auto" (the model's dtype), "bfloat16", "float16" or "fp8".
     """
     output = Path(output)
     model_config = llm.llm_engine.model_config
@@ -105,6 +108,7 @@ def extract(
     layers = list(layers)
     hidden = int(model_config.get_hidden_size())
     dtype = str(model_config.dtype).removeprefix("torch.")
+    stored = stored_dtype(storage_dtype, dtype)
     num_hidden_layers = int(model_config.hf_text_config.num_hidden_layers)
     template = chat_template if chat_template is not None else tokenizer.chat_template
     manifest = Manifest(
@@ -115,7 +119,9 @@ def extract(
         layers=layers,
         columns=describe_layers(layers, num_hidden_layers),
         num_hidden_layers=num_hidden_layers,
-        dtype=dtype,
+        dtype=stored,
+        model_dtype=None if stored == dtype else dtype,
+        reading=reading_note(stored),
         hidden_size=hidden,
         max_length=max_length,
         regenerate=(
@@ -168,7 +174,7 @@ def extract(
         tokenizer,
         result,
         rows,
-        Writer(output, len(layers), hidden, validate),
+        Writer(output, len(layers), hidden, validate, stored),
         layers=layers,
         max_length=max_length,
         regenerate=manifest.regenerate,

@@ -1,6 +1,7 @@
 """The writer thread of `vllm-hs extract`: checks each finished sample's states
-(shape; NaN/Inf unless --no-validate) and writes its hs file, so disk writes
-overlap engine work. The engine loop (`vllm_hs.extract.runner`) submits
+(shape; NaN/Inf unless --no-validate), converts them to the stored dtype
+(`vllm_hs.extract.storage`) and writes its hs file, so disk writes overlap
+engine work. The engine loop (`vllm_hs.extract.runner`) submits
 `WriteJob`s and collects one `WriteResult` per job.
 """
 
@@ -15,6 +16,7 @@ from typing import Any
 
 from vllm_hs.extract.format import Row, hs_path, save_hs_file
 from vllm_hs.extract.inputs import Sample
+from vllm_hs.extract.storage import encode_states
 
 __all__ = ["WriteJob", "WriteResult", "Writer"]
 
@@ -54,11 +56,15 @@ class Writer:
     `WriteResult` per submitted job; an exception in the thread is kept in
     ``error`` (and a result is still posted, so the main thread wakes up)."""
 
-    def __init__(self, output: Path, layers: int, hidden: int, validate: bool):
+    def __init__(
+        self, output: Path, layers: int, hidden: int, validate: bool, dtype: str
+    ):
         self.output = output
         self.layers = layers
         self.hidden = hidden
         self.validate = validate
+        self.dtype = dtype
+        """Stored dtype of hidden_states (`vllm_hs.extract.storage`)."""
         self.jobs: queue.Queue[WriteJob | None] = queue.Queue()
         self.done: queue.Queue[WriteResult] = queue.Queue()
         self.error: BaseException | None = None
@@ -96,11 +102,13 @@ class Writer:
                 problem = (
                     f"non-finite hidden states (first at row {bad[0]}, column {bad[1]})"
                 )
+        if problem is None:
+            tensors, problem = encode_states(job.states, self.dtype)
         if problem:
             return WriteResult(sample.row, sample.index, problem=problem)
         size = save_hs_file(
             hs_path(self.output, sample.row),
-            job.states.contiguous(),
+            tensors,
             _ids_tensor(token_ids),
             sample.index,
             mask,

@@ -1,0 +1,175 @@
+"""Disk and error of `vllm-hs extract --storage-dtype`: the same extraction
+stored in the model's dtype (auto), bfloat16, float16 and speculators' FP8
+layout, on one in-process engine; bytes of the hs files, and each stored row
+against the model-dtype row (read back as speculators' trainer would: fp8
+through hs-connectors' dequantization).
+
+Errors are per element: relative to the element (|stored - exact| / |exact|,
+over elements with |exact| >= 1e-3 of their token's largest magnitude), and
+relative to the token's largest magnitude (what a per-token scale bounds).
+
+    python -m benchmarks.storage [--model large] [--conversations 100]
+
+Writes benchmarks/results/v<vllm version>/storage.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import Summary, machine_facts, now
+from benchmarks.suites import MODELS, REPO_ROOT
+
+STORAGES = ("auto", "bfloat16", "float16", "fp8")
+
+
+def _load_rows(path: Path) -> Any:
+    """hidden_states of one hs file as float32 (fp8 dequantized)."""
+    import torch
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path))
+    rows = tensors["hidden_states"]
+    if "hidden_states_scales" in tensors:
+        return rows.to(torch.float32) * tensors["hidden_states_scales"]
+    return rows.to(torch.float32)
+
+
+def _errors(stored: list[Any], exact: list[Any]) -> dict[str, float]:
+    import torch
+
+    rel_element, rel_token = [], []
+    for s, e in zip(stored, exact, strict=True):
+        diff = (s - e).abs()
+        amax = e.abs().amax(dim=(1, 2), keepdim=True).clamp(min=1e-30)
+        rel_token.append((diff / amax).flatten())
+        significant = e.abs() >= amax * 1e-3
+        rel_element.append((diff[significant] / e.abs()[significant]).flatten())
+    token = torch.cat(rel_token)
+    element = torch.cat(rel_element)
+    return {
+        "max_rel_to_token_amax": float(token.max()),
+        "mean_rel_to_token_amax": float(token.mean()),
+        "max_rel_to_element": float(element.max()),
+        "mean_rel_to_element": float(element.mean()),
+        "rms_rel_to_element": float(element.pow(2).mean().sqrt()),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="large", choices=sorted(MODELS))
+    parser.add_argument("--dtype", default="float32", help="the engine's dtype")
+    parser.add_argument("--conversations", type=int, default=100)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    import vllm
+    from vllm import LLM
+
+    from vllm_hs.extract.inputs import load_conversations, shipped_conversations_path
+    from vllm_hs.extract.layers import default_layers
+    from vllm_hs.extract.runner import extract
+    from vllm_hs.tiny_model import build_tiny_model
+
+    t0 = time.perf_counter()
+    load_before = os.getloadavg()
+    sizes = MODELS[args.model]
+    model = str(build_tiny_model("llama", "float32", **sizes))
+    layers = default_layers(sizes.get("num_hidden_layers", 4))
+    conversations, sha = load_conversations(shipped_conversations_path())
+    conversations = conversations[: args.conversations]
+    llm = LLM(
+        model,
+        hidden_states_config={"layers": layers},
+        dtype=args.dtype,
+        enforce_eager=True,
+        kv_cache_memory_bytes=1 << 30,
+        seed=0,
+    )
+    work = Path(tempfile.mkdtemp(prefix="vllm-hs-storage-"))
+    rows: dict[str, list[Any]] = {}
+    sides: dict[str, dict[str, Any]] = {}
+    for storage in STORAGES:
+        out = work / storage
+        result = extract(
+            llm,
+            conversations,
+            out,
+            layers=layers,
+            data_sha256=sha,
+            storage_dtype=storage,
+            progress=False,
+        )
+        files = [
+            out / "hidden_states" / f"hs_{i}.safetensors" for i in range(result.samples)
+        ]
+        rows[storage] = [_load_rows(f) for f in files]
+        manifest = json.loads((out / "vllm_hs_extract.json").read_text())
+        sides[storage] = {
+            "stored_dtype": manifest["dtype"],
+            "hs_bytes": sum(f.stat().st_size for f in files),
+            "samples": result.samples,
+            "tokens": result.tokens,
+            "seconds": result.seconds,
+        }
+        print(f"{storage}: {sides[storage]}", flush=True)
+    llm.llm_engine.engine_core.shutdown()
+    base = sides["auto"]["hs_bytes"]
+    for storage in STORAGES:
+        sides[storage]["bytes_over_auto"] = sides[storage]["hs_bytes"] / base
+        sides[storage]["errors"] = _errors(rows[storage], rows["auto"])
+        print(
+            f"{storage}: {sides[storage]['bytes_over_auto']:.3f} of the bytes; "
+            f"errors {sides[storage]['errors']}",
+            flush=True,
+        )
+    fp8 = sides["fp8"]["bytes_over_auto"]
+    result_json = {
+        "suite": "storage",
+        "description": __doc__.split("\n\n")[0],
+        "settings": {
+            "model": args.model,
+            "dtype": args.dtype,
+            "conversations": args.conversations,
+            "layers": layers,
+            "vllm": vllm.__version__,
+        },
+        "machine": machine_facts(),
+        "load_average": {"before": load_before, "after": os.getloadavg()},
+        "rounds": [{"storage": s, **sides[s]} for s in STORAGES],
+        "summary": Summary(
+            metric=f"hs file bytes with --storage-dtype fp8 / {args.dtype} "
+            "(errors per storage dtype in rounds)",
+            higher_is_better=False,
+            aim=None,
+            median=fp8,
+            min=fp8,
+            max=fp8,
+        ).__dict__,
+        "started": now(),
+        "seconds": time.perf_counter() - t0,
+    }
+    out = args.out or (
+        REPO_ROOT
+        / "benchmarks"
+        / "results"
+        / f"v{vllm.__version__.split('+')[0]}"
+        / "storage.json"
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result_json, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
