@@ -203,5 +203,18 @@ def write_result(
     return path
 
 
+def write_script_result(data: dict[str, Any], out: Path | None = None) -> Path:
+    """Write a standalone script's result (``data["suite"]`` names it) to
+    ``out``, or to results/v<the importable vLLM's release>/<suite>.json."""
+    if out is None:
+        import vllm
+
+        release = "v" + vllm.__version__.split("+", 1)[0]
+        out = RESULTS_ROOT / release / f"{data['suite']}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    return out
+
+
 def now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import shutil
 import statistics
@@ -47,6 +46,7 @@ from benchmarks.common import (  # noqa: E402
     memory_summary,
     now,
     vllm_release,
+    write_script_result,
 )
 from benchmarks.suites import MODELS  # noqa: E402  (build_tiny_model sizes)
 from benchmarks.workload import PeakRss  # noqa: E402
@@ -342,9 +342,10 @@ def main(argv: list[str] | None = None) -> int:
         # Other work on the machine shows here (1/5/15-minute load averages).
         "load_average": {"before": load_before, "after": os.getloadavg()},
     }
-    out = args.out or RESULTS_ROOT / vllm_release(versions) / f"{result['suite']}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    release_dir = RESULTS_ROOT / vllm_release(versions)
+    out = write_script_result(
+        result, args.out or release_dir / f"{result['suite']}.json"
+    )
     s = result["summary"]
     print(
         f"extract/plain {s['median']:.3f} [{s['min']:.3f}, {s['max']:.3f}] "

@@ -25,8 +25,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import now, summarize
-from benchmarks.suites import MODELS, REPO_ROOT, run_workload
+from benchmarks.common import now, summarize, write_script_result
+from benchmarks.suites import MODELS, run_workload
 
 
 def _worker(spec: dict[str, Any]) -> dict[str, Any]:
@@ -157,15 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         "started": now(),
         "seconds": time.perf_counter() - t0,
     }
-    out = args.out or (
-        REPO_ROOT
-        / "benchmarks"
-        / "results"
-        / f"v{vllm.__version__.split('+')[0]}"
-        / "prefix_store.json"
-    )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out = write_script_result(result, args.out)
     print(f"wrote {out}")
     return 0
 

@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import Summary, machine_facts, now
-from benchmarks.suites import MODELS, REPO_ROOT
+from benchmarks.common import Summary, machine_facts, now, write_script_result
+from benchmarks.suites import MODELS
 
 STORAGES = ("auto", "bfloat16", "float16", "fp8")
 
@@ -158,15 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         "started": now(),
         "seconds": time.perf_counter() - t0,
     }
-    out = args.out or (
-        REPO_ROOT
-        / "benchmarks"
-        / "results"
-        / f"v{vllm.__version__.split('+')[0]}"
-        / "storage.json"
-    )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result_json, indent=2) + "\n")
+    out = write_script_result(result_json, args.out)
     print(f"wrote {out}")
     return 0
 
