@@ -258,6 +258,7 @@ class _Run:
         self.waiting: dict[int, Row] = {}
         self.bar: Any = _NoBar()
         self.started = 0.0
+        self._prompt_params: Any = None  # default mode: one SamplingParams for all
 
     def run(self, todo: list[Sample], bar: Any) -> None:
         """Extract ``todo``."""
@@ -325,13 +326,20 @@ class _Run:
 
         settings = self.regenerate
         if settings is None:
-            params = SamplingParams(
-                max_tokens=1,
-                temperature=0.0,
-                detokenize=False,
-                output_kind=RequestOutputKind.FINAL_ONLY,
-                hidden_states={"layers": self.layers, "prompt": True, "output": False},
-            )
+            if self._prompt_params is None:
+                # The engine copies the parameters of each request it takes.
+                self._prompt_params = SamplingParams(
+                    max_tokens=1,
+                    temperature=0.0,
+                    detokenize=False,
+                    output_kind=RequestOutputKind.FINAL_ONLY,
+                    hidden_states={
+                        "layers": self.layers,
+                        "prompt": True,
+                        "output": False,
+                    },
+                )
+            params = self._prompt_params
             ids, mask = sample.input_ids, sample.loss_mask
         else:
             if round_index == 0:
