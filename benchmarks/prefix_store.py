@@ -25,7 +25,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import now, summarize, write_script_result
+from benchmarks.common import machine_facts, now, summarize, write_script_result
 from benchmarks.suites import MODELS, run_workload
 
 
@@ -145,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             "vllm": vllm.__version__,
         },
         "load_average": {"before": load_before, "after": os.getloadavg()},
+        "machine": machine_facts(),
         "rounds": rounds,
         "summary": asdict(
             summarize(
