@@ -213,9 +213,9 @@ assert args.engine_args[-2:] == ["--max-model-len", "64"], args.engine_args
 
 def test_engine_options_reach_the_engine_and_modes_follow_the_umask(tmp_path: Path):
     """`--dtype bfloat16` (a vLLM option, given directly) overrides the embedded
-    model's float32 default: the manifest and the hs files say bfloat16. Every
-    file and directory gets the mode the umask gives (027: 0640 and 0750), hs
-    files included (temporary files are created 0600)."""
+    model's float32 default: the manifest's model dtype says bfloat16, and
+    `--storage-dtype fp8` stores the fp8 layout. Every file and directory gets
+    the mode the umask gives (027: 0640 and 0750), hs files included."""
     conversations, _ = load_conversations(shipped_conversations_path())
     data = tmp_path / "few.jsonl"
     data.write_text(
@@ -223,6 +223,7 @@ def test_engine_options_reach_the_engine_and_modes_follow_the_umask(tmp_path: Pa
     )
     proc = vllm_hs(
         "--data", str(data), "--output", "out", "--dtype", "bfloat16",
+        "--storage-dtype", "fp8",
         "--max-num-seqs", "2", "--", "--max-num-batched-tokens", "512",
         cwd=tmp_path, umask=0o027,
     )  # fmt: skip
@@ -230,15 +231,16 @@ def test_engine_options_reach_the_engine_and_modes_follow_the_umask(tmp_path: Pa
     out = tmp_path / "out"
     manifest = json.loads((out / MANIFEST).read_text())
     assert manifest["complete"] and manifest["samples"] == 4
-    assert manifest["dtype"] == "bfloat16"
+    assert (manifest["dtype"], manifest["model_dtype"]) == ("float8_e4m3fn", "bfloat16")
     options = manifest["engine_options"]
     assert options["dtype"] == "bfloat16" and options["max_num_seqs"] == 2
     assert options["max_num_batched_tokens"] == 512
     assert options["enforce_eager"] is True  # the embedded default stays
     from safetensors.torch import load_file
 
-    states = load_file(str(out / HS_DIR / "hs_0.safetensors"))["hidden_states"]
-    assert states.dtype == torch.bfloat16
+    stored = load_file(str(out / HS_DIR / "hs_0.safetensors"))
+    assert stored["hidden_states"].dtype == torch.float8_e4m3fn
+    assert stored["hidden_states_scales"].dtype == torch.float32
     modes = {
         p.relative_to(tmp_path).as_posix(): p.stat().st_mode & 0o777
         for p in [out, *out.rglob("*")]
