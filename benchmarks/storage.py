@@ -30,14 +30,16 @@ STORAGES = ("auto", "bfloat16", "float16", "fp8")
 
 
 def _load_rows(path: Path) -> Any:
-    """hidden_states of one hs file as float32 (fp8 dequantized)."""
+    """hidden_states of one hs file as float32 (fp8 dequantized by
+    hs-connectors, as speculators' FP8Transfer does)."""
     import torch
+    from hs_connectors.fp8_utils import SCALES_KEY, dequantize_fp8_tensor
     from safetensors.torch import load_file
 
     tensors = load_file(str(path))
     rows = tensors["hidden_states"]
-    if "hidden_states_scales" in tensors:
-        return rows.to(torch.float32) * tensors["hidden_states_scales"]
+    if SCALES_KEY in tensors:
+        return dequantize_fp8_tensor(rows, tensors[SCALES_KEY], dtype=torch.float32)
     return rows.to(torch.float32)
 
 

@@ -10,9 +10,8 @@ mode ("mp" or "inproc"), memcpy_mib (0 to skip), ipc_hop (bytes: time one
 ZeroMQ IPC hop of that many bytes, one frame per prompt), peak_rss
 (false: no memory sampling), warmup ("full" batch, the default, or "short"),
 write_dir and native (write each request's states to disk; see
-write_outputs). Each timing records per-process
-peak memory (PeakRss); the result records the engine's effective settings and
-CPU threads (engine_facts).
+write_outputs). Each timing records per-process peak memory (PeakRss); the
+result records the engine's effective settings and CPU threads (engine_facts).
 """
 
 from __future__ import annotations
