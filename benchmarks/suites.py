@@ -429,6 +429,72 @@ def transport(settings: Settings) -> list[SuiteResult]:
     return [transport_result, heavy]
 
 
+def probe(settings: Settings) -> SuiteResult:
+    """A last-token probe: prefill only, the states of each prompt's last
+    position (`positions="last"`), against the same batch without states and
+    with every prompt row (what a probe had to ask for before positions),
+    batches alternating on one engine. Rounds record the bytes each side
+    delivered and its wall time."""
+    t0 = time.perf_counter()
+    path, sizes = model_dir(settings)
+    vocab = sizes.get("vocab_size", 1024)
+    layers = _four_layers(sizes)
+    spec = _spec(
+        settings,
+        path,
+        vocab,
+        rounds=settings.rounds,
+        max_tokens=1,
+        variants={
+            "plain": None,
+            "all_rows": {"prompt": True, "output": False},
+            "last": {"prompt": True, "output": False, "positions": "last"},
+        },
+        engine=engine_kwargs(settings, layers),
+        peak_rss=False,
+    )
+    out = run_workload(sys.executable, spec)["timings"]
+    rounds = []
+    for r, (plain, every, last) in enumerate(
+        zip(out["plain"], out["all_rows"], out["last"], strict=True)
+    ):
+        rounds.append(
+            {
+                "round": r,
+                "A": plain,
+                "B": last,
+                "all_rows": every,
+                "ratio": last["tokens_per_s"] / plain["tokens_per_s"],
+                "all_rows_ratio": every["tokens_per_s"] / plain["tokens_per_s"],
+                "last_over_all_rows": last["tokens_per_s"] / every["tokens_per_s"],
+                "bytes_last": last["state_bytes"],
+                "bytes_all_rows": every["state_bytes"],
+            }
+        )
+        print(
+            f"  round {r}: last/plain {rounds[-1]['ratio']:.4f} "
+            f"({last['state_bytes']} B), all rows/plain "
+            f"{rounds[-1]['all_rows_ratio']:.4f} ({every['state_bytes']} B)",
+            flush=True,
+        )
+    return _result(
+        "probe",
+        probe.__doc__ or "",
+        settings,
+        rounds,
+        summarize(
+            [r["ratio"] for r in rounds],
+            f"throughput with last-position states ({len(layers)} layers, prefill) "
+            "/ without",
+            True,
+            0.97,
+        ),
+        t0,
+        max_tokens=1,
+        layers=layers,
+    )
+
+
 LONG_PROMPT = 8192  # tokens of the memory suite's request (at least)
 
 
@@ -739,6 +805,7 @@ SUITES = {
     "overhead_config": overhead_config,
     "capture": capture,
     "transport": transport,
+    "probe": probe,
     "native": native,
     "native_omp_all": native_omp_all,
     "native_default": native_default,

@@ -5,7 +5,8 @@ their stream chunks: the extra fields stay reachable as attributes) and on raw
 HTTP JSON (`dict`). The wire format (see README):
 
     {"layers": [...], "shape": [rows, layers, hidden], "dtype": "bfloat16",
-     "encoding": "base64" | "float", "data": ...}
+     "encoding": "base64" | "float", "data": ...,
+     "positions": [...]}  # only when the request set "positions"
 
 `base64` data is the raw little-endian bytes of the tensor in its dtype.
 
@@ -82,6 +83,10 @@ class ResponseHiddenStates:
     of the first choice of each prompt."""
     outputs: dict[int, torch.Tensor] = field(default_factory=dict)
     layers: list[int | str] | None = None
+    prompt_positions: dict[int, list[int]] = field(default_factory=dict)
+    """Position of each prompt row, when the request set "positions"."""
+    output_positions: dict[int, list[int]] = field(default_factory=dict)
+    """Position of each output row, when the request set "positions"."""
 
     def prompt(self, index: int = 0) -> torch.Tensor | None:
         return self.prompts.get(index)
@@ -96,6 +101,11 @@ class ResponseHiddenStates:
         self.layers = list(_get(payload, "layers"))
         previous = target.get(index)
         target[index] = rows if previous is None else torch.cat([previous, rows])
+        positions = _get(payload, "positions")
+        if positions is not None:
+            self.output_positions.setdefault(index, []).extend(
+                int(p) for p in positions
+            )
 
     def _add_prompt(self, index: int, payload: Any) -> None:
         if payload is None:
@@ -106,6 +116,9 @@ class ResponseHiddenStates:
             raise ValueError(f"prompt hidden states of choice {index} sent twice")
         self.prompts[index] = decode(payload)
         self.layers = list(_get(payload, "layers"))
+        positions = _get(payload, "positions")
+        if positions is not None:
+            self.prompt_positions[index] = [int(p) for p in positions]
 
     def add(self, response_or_chunk: Any) -> None:
         """Fold in one response, or one stream chunk (output rows are

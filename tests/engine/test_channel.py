@@ -352,3 +352,169 @@ def test_n_children_keep_skip_reading_prefix_cache(main_engine):
         ] * 3, "the user's setting was overwritten"
         while llm_engine.has_unfinished_requests():
             llm_engine.step()
+
+
+# --- positions: the last row, or windows --------------------------------------
+
+
+def test_positions_in_a_mixed_batch(main_engine, llama_fp32):
+    """Positions "last" and windows next to all-row and plain requests, over chunked
+    prefills: each row is the HF row of the position the output names."""
+    llm, mode = main_engine
+    long = 3 * BUDGET + 5  # prefilled over four steps
+    cases = [
+        (
+            seeded_prompt(70, 20),
+            greedy(6, hidden_states={"positions": "last"}),
+            Expect(MAIN_RESOLVED, positions="last"),
+        ),
+        (
+            seeded_prompt(71, long),
+            # Windows across chunk boundaries and the prompt's end.
+            greedy(7, hidden_states={"positions": [[30, 35], [long - 2, long + 3]]}),
+            Expect(MAIN_RESOLVED, positions=[[30, 35], [long - 2, long + 3]]),
+        ),
+        (seeded_prompt(72, 13), greedy(5, hidden_states={}), Expect(MAIN_RESOLVED)),
+        (seeded_prompt(73, 9), greedy(5), None),
+        (
+            seeded_prompt(74, long),
+            greedy(4, hidden_states={"layers": ["final_norm", 0], "positions": "last"}),
+            Expect(["final_norm", 0], positions="last"),
+        ),
+        (
+            seeded_prompt(75, 17),
+            greedy(6, hidden_states={"positions": "last", "prompt": False}),
+            Expect(MAIN_RESOLVED, prompt=False, positions="last"),
+        ),
+        (
+            seeded_prompt(76, 11),
+            greedy(1, hidden_states={"positions": "last"}),  # G=1: no output row
+            Expect(MAIN_RESOLVED, positions="last"),
+        ),
+    ]
+    outputs = run_cases(llm, cases, llama_fp32, DTYPE, f"[{mode}] positions")
+    last = outputs[0]
+    assert last.prompt_hidden_states.shape == (1, len(MAIN_RESOLVED), 128)
+    assert last.prompt_hidden_states_positions == [19]
+    assert last.outputs[0].hidden_states_positions == [20 + 6 - 2]
+    assert outputs[6].outputs[0].hidden_states.shape == (0, len(MAIN_RESOLVED), 128)
+    assert outputs[2].prompt_hidden_states_positions is None  # all rows
+
+
+def test_positions_last_keeps_the_prefix_cache_hit(main_engine, llama_fp32):
+    """A "last" request reads the prefix cache (its one prompt row is always
+    computed); a window inside the cached prefix makes it recompute."""
+    llm, mode = main_engine
+    prompt = seeded_prompt(77, 70)
+    llm.generate([tokens_prompt(prompt)], greedy(2), use_tqdm=False)
+    for positions, cached in (("last", True), ([[40, 45]], False)):
+        (out,) = llm.generate(
+            [tokens_prompt(prompt)],
+            greedy(5, hidden_states={"positions": positions}),
+            use_tqdm=False,
+        )
+        assert (out.num_cached_tokens > 0) == cached, (positions, out.num_cached_tokens)
+        check_output(
+            out,
+            llama_fp32,
+            Expect(MAIN_RESOLVED, positions=positions),
+            DTYPE,
+            f"[{mode}] {positions} over a cached prefix",
+        )
+
+
+def test_positions_last_with_a_stop_string_and_n(main_engine, llama_fp32):
+    """The frontend ends a stop-string request: the last row is still that
+    of the completion's last token; with n=2 each completion has its own."""
+    from vllm import SamplingParams
+
+    llm, mode = main_engine
+    prompt = seeded_prompt(31, 18)  # test_stop_string's prompt
+    (full,) = llm.generate([tokens_prompt(prompt)], greedy(20), use_tqdm=False)
+    text = full.outputs[0].text
+    stop = next(
+        text[i : i + 3]
+        for i in range(len(text) // 2, len(text) - 3)
+        if text[i : i + 3].strip() and text.find(text[i : i + 3]) == i
+    )
+    (out,) = llm.generate(
+        [tokens_prompt(prompt)],
+        greedy(20, stop=[stop], hidden_states={"positions": "last"}),
+        use_tqdm=False,
+    )
+    assert out.outputs[0].stop_reason == stop and len(out.outputs[0].token_ids) < 20
+    check_output(
+        out,
+        llama_fp32,
+        Expect(MAIN_RESOLVED, positions="last"),
+        DTYPE,
+        f"[{mode}] last, stop string",
+    )
+    sp = SamplingParams(
+        n=2,
+        temperature=1.0,
+        max_tokens=6,
+        ignore_eos=True,
+        hidden_states={"positions": [[10, 12], [20, 23]]},
+    )
+    (out,) = llm.generate([tokens_prompt(seeded_prompt(78, 19))], sp, use_tqdm=False)
+    assert len(out.outputs) == 2
+    check_output(
+        out,
+        llama_fp32,
+        Expect(MAIN_RESOLVED, positions=[[10, 12], [20, 23]]),
+        DTYPE,
+        f"[{mode}] windows, n=2",
+    )
+
+
+@pytest.mark.parametrize(
+    ("hidden_states", "match"),
+    [
+        ({"positions": "first"}, "positions"),
+        ({"positions": [[5, 5]]}, "0 <= start < end"),
+        ({"positions": [[0, 4]], "prompt": False}, "selects no position"),
+        ({"positions": [[100, 200]]}, "selects no position"),
+    ],
+)
+def test_bad_positions_are_rejected_and_engine_serves_on(
+    main_engine, llama_fp32, hidden_states, match
+):
+    llm, mode = main_engine
+    prompt = seeded_prompt(79, 12)
+    with pytest.raises(ValueError, match=match):
+        llm.generate([tokens_prompt(prompt)], greedy(3, hidden_states=hidden_states))
+    (out,) = llm.generate(
+        [tokens_prompt(prompt)],
+        greedy(3, hidden_states={"positions": [[11, 13]]}),
+        use_tqdm=False,
+    )
+    check_output(
+        out,
+        llama_fp32,
+        Expect(MAIN_RESOLVED, positions=[[11, 13]]),
+        DTYPE,
+        f"[{mode}] after a bad positions request",
+    )
+
+
+def test_cap_counts_only_selected_rows(main_engine, llama_fp32):
+    """Cap = 256 rows: all rows of this request exceed it, its last rows or a
+    small window do not."""
+    llm, mode = main_engine
+    prompt = seeded_prompt(61, 200)
+    with pytest.raises(ValueError, match="over the engine's cap"):
+        llm.generate([tokens_prompt(prompt)], greedy(100, hidden_states={}))
+    for positions in ("last", [[190, 210]]):
+        (out,) = llm.generate(
+            [tokens_prompt(prompt)],
+            greedy(100, hidden_states={"positions": positions}),
+            use_tqdm=False,
+        )
+        check_output(
+            out,
+            llama_fp32,
+            Expect(MAIN_RESOLVED, positions=positions),
+            DTYPE,
+            f"[{mode}] {positions} under the cap",
+        )

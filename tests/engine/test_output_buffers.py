@@ -99,7 +99,8 @@ def test_cumulative_outputs_never_change_after_hand_out(trim):
     snapshots: list[torch.Tensor] = []
 
     def hand_out(num_output_tokens: int) -> None:
-        rows = state.output_rows(num_output_tokens)
+        rows, positions = state.output_rows(num_output_tokens, finished=False)
+        assert positions is None  # every position: rows are not labelled
         handed_out.append(rows)
         snapshots.append(rows.clone())
 
@@ -111,7 +112,7 @@ def test_cumulative_outputs_never_change_after_hand_out(trim):
     hand_out(100)
     for p in range(24, 200):
         state.add(_engine_output(_rows(p, p + 1)))
-        state.output_rows(num_output_tokens=1000)
+        state.output_rows(num_output_tokens=1000, finished=False)
     for t, snap in zip(handed_out, snapshots, strict=True):
         assert torch.equal(t, snap), "a tensor handed out changed afterwards"
     kept = 2 if trim else 3

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 
+from vllm_hs.hf_reference import assert_states_close
 from vllm_hs.testing.harness import seeded_prompt
 from vllm_hs.testing.server import (
     HIDDEN,
@@ -187,3 +188,35 @@ def test_n4_prompt_states_once(oai, served_model, model_dir, stream):
         check(
             model_dir, got, Want(["final_norm"]), f"n=4 #{attempt}", n=4, stream=stream
         )
+
+
+@pytest.mark.parametrize(
+    "positions", ["last", [[3, 6], [14, 17]]], ids=["last", "windows"]
+)
+def test_positions(oai, served_model, model_dir, stream, positions):
+    """`positions` over HTTP: payloads hold the selected rows and list their
+    positions; streamed, the "last" output row comes in the final chunk."""
+    from vllm_hs.testing.server import reference
+
+    prompt = seeded_prompt(12, 15)
+    hs = {"layers": [0, "final_norm"], "positions": positions}
+    got = complete(oai, served_model, stream, hs, prompt=prompt, max_tokens=6)
+    tokens = got.token_ids[0]
+    assert len(tokens) == 6
+    ref_prompt, ref_output = reference(model_dir, prompt, tokens, [0, "final_norm"])
+    if positions == "last":
+        want_prompt, want_output = [14], [15 + 6 - 2]
+    else:
+        want_prompt, want_output = [3, 4, 5, 14], [15, 16]
+    assert got.states.prompt_positions[0] == want_prompt
+    assert got.states.output_positions[0] == want_output
+    for rows, ref, what in (
+        (got.states.prompt(0), ref_prompt[want_prompt], "prompt"),
+        (got.states.output(0), ref_output[[p - 15 for p in want_output]], "output"),
+    ):
+        assert_states_close(
+            rows, ref, dtype=torch.float32, what=f"{positions} {what}", layers=[0, 1]
+        )
+    if stream and positions == "last":
+        # No output rows before the last chunk that carries tokens.
+        assert [rows for _, rows, _ in got.rows_vs_tokens] == [0] * 5 + [1]

@@ -18,7 +18,7 @@ def test_hidden_states_request_schema(schemas):
     assert schema.get("additionalProperties") is False  # unknown fields: 400
     assert "decoder-layer" in schema["description"]
     props = schema["properties"]
-    assert set(props) == {"layers", "prompt", "output", "encoding"}
+    assert set(props) == {"layers", "prompt", "output", "positions", "encoding"}
     for name, prop in props.items():
         assert prop.get("description"), f"{name} has no description"
     assert props["prompt"]["type"] == "boolean" and props["prompt"]["default"] is True
@@ -30,6 +30,12 @@ def test_hidden_states_request_schema(schemas):
     (array,) = [kind for kind in layer_kinds if kind.get("type") == "array"]
     assert {item["type"] for item in array["items"]["anyOf"]} == {"integer", "string"}
     assert "final_norm" in props["layers"]["description"]
+    position_kinds = props["positions"]["anyOf"]
+    assert {"type": "null"} in position_kinds
+    assert {"const": "last", "type": "string"} in position_kinds
+    (windows,) = [kind for kind in position_kinds if kind.get("type") == "array"]
+    assert windows["items"]["type"] == "array"  # [start, end) pairs
+    assert windows["items"]["prefixItems"] == [{"type": "integer"}] * 2
 
 
 @pytest.mark.parametrize(

@@ -186,6 +186,24 @@ class Expect:
     layers: list[int | str]
     prompt: bool = True
     output: bool = True
+    positions: str | list[list[int]] | None = None
+    """`HiddenStatesParams.positions` of the request."""
+
+    def selected(self, num_prompt: int, num_tokens: int) -> tuple[list[int], list[int]]:
+        """(prompt positions, generated positions) whose rows the request
+        returns, computed here from the documented conventions: "last" is
+        P-1 and P+G-2 (none when G=1); windows are [start, end) ranges."""
+        prompt = list(range(num_prompt)) if self.prompt else []
+        output = list(range(num_prompt, num_prompt + num_tokens - 1))
+        if not self.output:
+            output = []
+        if self.positions == "last":
+            return prompt[-1:], output[-1:]
+        if self.positions is not None:
+            wanted = {p for start, end in self.positions for p in range(start, end)}
+            prompt = [p for p in prompt if p in wanted]
+            output = [p for p in output if p in wanted]
+        return prompt, output
 
 
 def check_output(
@@ -206,6 +224,9 @@ def check_output(
         assert request_output.prompt_hidden_states is None, what
         for completion in request_output.outputs:
             assert completion.hidden_states is None, what
+        return
+    if expect.positions is not None:
+        _check_selected_rows(request_output, model_dir, expect, dtype, what, tol_dtype)
         return
     prompt_rows = request_output.prompt_hidden_states
     checked_prompt = False
@@ -241,6 +262,55 @@ def check_output(
                 what=f"{label} output",
                 layers=expect.layers,
                 row_offset=len(prompt_ids),
+            )
+        else:
+            assert completion.hidden_states is None, f"{label}: unexpected rows"
+
+
+def _check_selected_rows(
+    request_output: Any,
+    model_dir: str,
+    expect: Expect,
+    dtype: torch.dtype | str,
+    what: str,
+    tol_dtype: torch.dtype | str,
+) -> None:
+    """`check_output` for a request with `positions`: the rows are those of
+    the selected positions, in order, and the outputs list those positions."""
+    prompt_ids = list(request_output.prompt_token_ids)
+    num_prompt = len(prompt_ids)
+    prompt_rows = request_output.prompt_hidden_states
+    for completion in request_output.outputs:
+        token_ids = list(completion.token_ids)
+        want_prompt, want_output = expect.selected(num_prompt, len(token_ids))
+        ref_prompt, ref_output = hf_sequence_states(
+            model_dir, prompt_ids, token_ids, expect.layers, dtype=dtype
+        )
+        label = f"{what} completion {completion.index}"
+        if want_prompt and completion.index == 0:
+            assert prompt_rows is not None, f"{what}: no prompt_hidden_states"
+            got = request_output.prompt_hidden_states_positions
+            assert got == want_prompt, f"{what}: prompt positions {got}"
+            assert_states_close(
+                prompt_rows,
+                ref_prompt[want_prompt],
+                dtype=tol_dtype,
+                what=f"{what} prompt rows of {want_prompt[:8]}...",
+                layers=expect.layers,
+            )
+        elif not want_prompt:
+            assert prompt_rows is None, f"{what}: unexpected prompt states"
+        if expect.output:
+            rows = completion.hidden_states
+            assert rows is not None, f"{label}: no hidden_states"
+            got = completion.hidden_states_positions
+            assert got == want_output, f"{label}: output positions {got}"
+            assert_states_close(
+                rows,
+                ref_output[[p - num_prompt for p in want_output]],
+                dtype=tol_dtype,
+                what=f"{label} output rows of {want_output[:8]}...",
+                layers=expect.layers,
             )
         else:
             assert completion.hidden_states is None, f"{label}: unexpected rows"
