@@ -142,9 +142,10 @@ def test_rows_missing_at_the_final_step_fail_the_request(scheduler, want):
 
     kwargs = {} if want == "prompt and output" else {"prompt": False}
     _add_request(scheduler, max_tokens=2, **kwargs)
-    rows = _rows(0, PROMPT_LEN) if not kwargs else _rows(PROMPT_LEN - 1, PROMPT_LEN)
-    start = 0 if not kwargs else PROMPT_LEN - 1
-    first = _step(scheduler, 100, {"r": (start, rows)})
+    # The prefill's rows: the prompt's, or none when only output rows are wanted.
+    first = _step(
+        scheduler, 100, {"r": (0, _rows(0, PROMPT_LEN))} if not kwargs else {}
+    )
     assert first.finish_reason is None
     last = _step(scheduler, 101, {})  # position 8's row is missing
     assert last.finish_reason == FinishReason.ERROR

@@ -61,6 +61,9 @@ def test_help_names_the_defaults(tmp_path: Path):
         "hidden_states/hs_{i}.safetensors",
         "conversation n goes to shard n % S",
         "never truncated",
+        "--format",
+        "rows_{g}-{g+2000}/data_{i}.ckpt",
+        "{conversation_id}.pt",
     ):
         assert needle in text, needle
 
@@ -86,6 +89,14 @@ def test_malformed_jsonl_fails_before_anything_is_written(tmp_path: Path):
         (["--", "--seed", "1"], "pass --seed to vllm-hs extract, not after --"),
         (["--hidden-states-config", "{}"], "pass --layers to vllm-hs extract"),
         (["--merge", "--dtype", "float32"], "--merge starts no engine"),
+        (
+            ["--format", "specforge", "--layers", "1,2,3,4"],
+            "--format specforge: the last of --layers must be final_norm",
+        ),
+        (
+            ["--format", "modelopt", "--compress"],
+            "--compress is for --format specforge",
+        ),
     ],
 )
 def test_bad_options_fail_before_the_engine_starts(

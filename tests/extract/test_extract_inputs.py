@@ -437,10 +437,11 @@ def test_manifest_json_keys_and_round_trip(tmp_path: Path):
         "format_version", "format", "model", "model_config_sha256", "data_sha256",
         "chat_template_sha256", "layers", "columns", "num_hidden_layers", "dtype",
         "hidden_size", "max_length", "regenerate", "validate", "num_shards",
-        "shard_index", "complete",
+        "shard_index", "complete", "trainer_format", "compress",
     }  # fmt: skip
     assert set(manifest.to_json()) == started
     assert manifest.to_json()["regenerate"] is None
+    assert (manifest.trainer_format, manifest.compress) == ("speculators", False)
     assert set(FINGERPRINT_KEYS) <= started
     result = ExtractResult(tmp_path, samples=2, tokens=9, bytes=99)
     result.skipped = [Skip(3, "bad", SkipStage.VALIDATE), Skip(1, "long")]

@@ -44,9 +44,15 @@ def test_each_defect_is_reported(tmp_path: Path, sdist, capsys) -> None:
         "+        verify_hidden_states_config(self)\n",
         "+        verify_hidden_states_config(self))\n",
     )
-    # 0002: an added import that is never used (F401 under vLLM's ruff config).
-    _edit(params, "+import msgspec\n", "+import msgspec\n+import os\n")
-    _fix_hunk_counts(params)
+    # 0014 (the last patch of its file): an added import that is never used
+    # (F401 under vLLM's ruff config).
+    (positions,) = directory.glob("0014-*.patch")
+    _edit(
+        positions,
+        "+from bisect import bisect_right\n",
+        "+import os\n+from bisect import bisect_right\n",
+    )
+    _fix_hunk_counts(positions)
     # 0004: the hunks moved by a few lines (applies only with an offset).
     text = scheduler.read_text()
     moved = re.sub(

@@ -32,6 +32,7 @@ from vllm_hs.extract.inputs import (
 from vllm_hs.extract.layers import parse_layers
 from vllm_hs.extract.runner import extract
 from vllm_hs.extract.storage import STORAGE_CHOICES
+from vllm_hs.extract.trainers import FORMATS, sample_files
 
 __all__ = ["DEFAULT_OUTPUT", "EMBEDDED_ENGINE_DEFAULTS", "add_parser", "run"]
 
@@ -102,6 +103,23 @@ ArrowDataset(datapath=OUTPUT, transfer=FP8Transfer(OUTPUT / "hidden_states")),
 or 'speculators train --hidden-states-backend fp8': speculators'
 check_hidden_states cannot read these files, and its default reader would hand
 the fp8 values to training without their scales.
+
+other trainers (--format; default layers then [2, L//2, L-3, final_norm]: the
+last column must be final_norm, what their LM head reads; trainer aux id a =
+vllm-hs id a + 1):
+
+  specforge   OUTPUT/hidden_states/rows_{g}-{g+2000}/data_{i}.ckpt (.ckpt.gz with
+      --compress): torch.save of input_ids, loss_mask int64 [T], hidden_state
+      [1, T, H] (final_norm), aux_hidden_state [1, T, 3H] (exactly 3 aux layers);
+      train with --hidden-states-path OUTPUT/hidden_states (SpecForge wants
+      bfloat16: --dtype bfloat16 or --storage-dtype bfloat16)
+  modelopt    OUTPUT/hidden_states/{conversation_id}.pt (conversation_id = input
+      index): torch.save of input_ids, loss_mask [T], hidden_states [T, H]
+      (final_norm), aux_hidden_states [T, K*H], conversation_id; train with
+      data.offline_data_path=OUTPUT/hidden_states (loss_mask is read only with
+      training.answer_only_loss=true)
+  Neither gets the Arrow dataset or token_freq.pt; --storage-dtype fp8 is
+  speculators' only.
 
 file modes: every file is written with the mode the umask gives new files
 (umask 022: 0644).
@@ -256,6 +274,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "rejected); fp8 = speculators' FP8 layout (float8_e4m3fn with a float32 "
         "scale per token in hidden_states_scales; read it through "
         "hs-connectors' FP8Transfer, see below) (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="speculators",
+        help="the trainer whose offline format to write (see below): speculators "
+        "(default), specforge or modelopt",
+    )
+    parser.add_argument(
+        "--compress",
+        action="store_true",
+        help="--format specforge: gzip each sample (.ckpt.gz)",
     )
     parser.add_argument(
         "--buffer-mib",
@@ -438,8 +468,13 @@ def run(args: argparse.Namespace) -> int:
     engine_kwargs.update(_engine_overrides(engine_argv))
     engine_kwargs["seed"] = args.seed
     num_hidden_layers = _num_hidden_layers(model, engine_kwargs)
-    layers = parse_layers(args.layers, num_hidden_layers)
-    if layers[-1] != num_hidden_layers:
+    files = sample_files(args.format, args.compress)
+    if args.layers is None:
+        layers = files.default_layers(num_hidden_layers)
+    else:
+        layers = parse_layers(args.layers, num_hidden_layers)
+    files.check_layers(layers, num_hidden_layers)
+    if files.name == "speculators" and layers[-1] != num_hidden_layers:
         logger.warning(
             "note: the last layer is %r, not %d (the last decoder layer before the "
             "final norm), which speculators reads the last column as",
@@ -476,6 +511,8 @@ def run(args: argparse.Namespace) -> int:
             data=str(data),
             engine_options=_jsonable(engine_kwargs),
             storage_dtype=args.storage_dtype,
+            trainer_format=args.format,
+            compress=args.compress,
         )
     finally:
         with contextlib.suppress(Exception):

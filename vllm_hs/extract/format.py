@@ -30,6 +30,11 @@ An output directory OUTPUT holds::
         only while a finished run renumbers hs files to close gaps (samples
         dropped after planning); a crash there is finished by --resume.
 
+That is the default, speculators' format. ``--format specforge`` and
+``--format modelopt`` keep the manifest and skipped.jsonl but write their
+trainer's per-sample files under OUTPUT/hidden_states instead of hs files, and
+no Arrow dataset or token_freq.pt (`vllm_hs.extract.trainers`).
+
 speculators' training reads OUTPUT as is (``ArrowDataset(datapath=OUTPUT)``,
 ``train.py --data-path OUTPUT``): ``hs[:, :-1]`` are the aux layers, ``hs[:, -1]``
 the verifier's last hidden state, so the last layer id should be L (the last
@@ -64,6 +69,7 @@ from vllm_hs.extract.safetensors_file import write_safetensors
 
 if TYPE_CHECKING:
     from vllm_hs.extract.inputs import Sample
+    from vllm_hs.extract.trainers import SampleFiles
 
 __all__ = [
     "COMPACTION",
@@ -193,6 +199,8 @@ FINGERPRINT_KEYS = (
     "max_length",
     "regenerate",
     "validate",
+    "trainer_format",
+    "compress",
 )
 
 
@@ -259,6 +267,10 @@ class Manifest:
     reading: str | None = None
     """What a reader of these files must know beyond ``format`` (the fp8
     layout's scales; `vllm_hs.extract.storage.reading_note`)."""
+    trainer_format: str = "speculators"
+    """--format: the trainer whose files these are (`vllm_hs.extract.trainers`)."""
+    compress: bool = False
+    """--compress (specforge: gzipped .ckpt.gz files)."""
 
     _OPTIONAL = (
         "data",
@@ -393,48 +405,55 @@ def read_hs_meta(path: Path) -> HsFileMeta:
 
 
 def scan_finished(
-    output: Path, samples: Sequence[Sample], layers: int, hidden: int
+    output: Path,
+    samples: Sequence[Sample],
+    layers: int,
+    hidden: int,
+    files: SampleFiles | None = None,
 ) -> dict[int, Row]:
-    """Rows whose hs file is complete and belongs to the planned sample (--resume);
-    other hs files are deleted, to be redone."""
+    """Rows whose sample file is complete and belongs to the planned sample
+    (--resume); other sample files are deleted, to be redone."""
+    if files is None:
+        from vllm_hs.extract.trainers import sample_files
+
+        files = sample_files()
     found: dict[int, Row] = {}
-    directory = output / HS_DIR
-    if not directory.is_dir():
-        return found
-    by_row = {s.row: s for s in samples}
-    for path in directory.glob("hs_*.safetensors"):
-        try:
-            row = int(path.name[3 : -len(".safetensors")])
-        except ValueError:
-            continue
-        sample = by_row.get(row)
+    by_index = {s.index: s for s in samples}
+    for path in list(files.files(output)):
         reason = None
-        if sample is None:
-            reason = "no such row in the plan"
+        try:
+            index, mask, token_ids, shape = files.read_meta(path)
+        except Exception as e:  # noqa: BLE001 - damaged file
+            reason = f"unreadable ({type(e).__name__}: {e})"
         else:
-            try:
-                index, mask, token_ids, shape = read_hs_meta(path)
-            except Exception as e:  # noqa: BLE001 - damaged file
-                reason = f"unreadable ({type(e).__name__}: {e})"
-            else:
-                if index != sample.index:
-                    reason = f"holds conversation {index}, not {sample.index}"
-                elif shape != (len(token_ids), layers, hidden):
-                    reason = f"hidden_states shape {list(shape)}"
-                elif len(mask) != len(token_ids):
-                    reason = "loss mask length"
-                elif not sample.slots and token_ids != list(sample.input_ids):
-                    reason = "token ids differ from the rendered conversation"
-                elif sample.slots and token_ids[: len(sample.input_ids)] != list(
-                    sample.input_ids
-                ):
-                    reason = "token ids differ from the rendered prompt"
+            sample = by_index.get(index)
+            if sample is None:
+                reason = f"conversation {index} is not in the plan"
+            elif files.path(output, sample.row, sample.index) != path:
+                reason = f"holds conversation {index}, which goes to row {sample.row}"
+            elif shape != (len(token_ids), layers, hidden):
+                reason = f"hidden_states shape {list(shape)}"
+            elif len(mask) != len(token_ids):
+                reason = "loss mask length"
+            elif not sample.slots and token_ids != list(sample.input_ids):
+                reason = "token ids differ from the rendered conversation"
+            elif sample.slots and token_ids[: len(sample.input_ids)] != list(
+                sample.input_ids
+            ):
+                reason = "token ids differ from the rendered prompt"
         if reason is None:
-            found[row] = Row(array("i", token_ids), bytes(mask))
+            found[sample.row] = Row(array("i", token_ids), bytes(mask))
         else:
             logger.info("redoing %s: %s", path.name, reason)
             path.unlink()
     return found
+
+
+def read_samples(output: Path, files: SampleFiles) -> list[tuple[Path, HsFileMeta]]:
+    """Every sample file of a finished directory with what it says, in input
+    order (= row order)."""
+    found = [(path, files.read_meta(path)) for path in files.files(output)]
+    return sorted(found, key=lambda item: item[1].input_index)
 
 
 # ----------------------------------------------------------------------------
@@ -527,7 +546,14 @@ def remove_temp_files(output: Path) -> None:
     ``output`` and its hidden_states (our atomic writes' temporary names, and
     the ``.tmpXXXXXX`` files of runs that wrote through safetensors' own writer)
     other than the compaction journal, and ``.tmp-*`` staging directories."""
-    for directory in (output, output / HS_DIR):
+    groups = []  # subdirectories of sample files (specforge's rows_*)
+    if (output / HS_DIR).is_dir():
+        groups = [
+            p
+            for p in (output / HS_DIR).iterdir()
+            if p.is_dir() and not p.name.startswith(".")
+        ]
+    for directory in (output, output / HS_DIR, *groups):
         if not directory.is_dir():
             continue
         for path in directory.iterdir():
@@ -581,26 +607,39 @@ def merge_shards(output: Path | str) -> ExtractResult:
             )
     if (output / MANIFEST).exists():
         raise VllmHsError(f"--merge: {output} already holds a dataset")
-    entries = []  # (input index, shard dir, row, Row)
+    from vllm_hs.extract.trainers import sample_files
+
+    files = sample_files(manifests[0].trainer_format, manifests[0].compress)
+    entries = []  # (input index, file, Row)
     skipped: list[Skip] = []
     for directory, manifest in zip(shards, manifests, strict=True):
-        for row in range(manifest.samples or 0):
-            meta = read_hs_meta(hs_path(directory, row))
+        found = read_samples(directory, files)
+        if len(found) != (manifest.samples or 0):
+            raise VllmHsError(
+                f"--merge: {directory.name} holds {len(found)} sample files, its "
+                f"manifest says {manifest.samples}"
+            )
+        for path, meta in found:
             compact = Row(array("i", meta.token_ids), bytes(meta.loss_mask))
-            entries.append((meta.input_index, directory, row, compact))
+            entries.append((meta.input_index, path, compact))
         skipped += read_skipped(directory)
     entries.sort(key=lambda e: e[0])
     (output / HS_DIR).mkdir(parents=True, exist_ok=True)
     remove_temp_files(output)
-    for new, (_, directory, row, _) in enumerate(entries):
-        fs.atomic_copy(hs_path(directory, row), hs_path(output, new), link=True)
-    rows = [compact for _, _, _, compact in entries]
-    write_arrow(output, rows)
-    write_token_freq(output, rows)
+    sizes = 0
+    for new, (index, path, _) in enumerate(entries):
+        target = files.path(output, new, index)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fs.atomic_copy(path, target, link=True)
+        sizes += target.stat().st_size
+    rows = [compact for _, _, compact in entries]
+    if files.writes_dataset:
+        write_arrow(output, rows)
+        write_token_freq(output, rows)
     result = ExtractResult(output=output, layers=manifests[0].layers, skipped=skipped)
     result.samples = len(rows)
     result.tokens = sum(len(r.token_ids) for r in rows)
-    result.bytes = sum(hs_path(output, i).stat().st_size for i in range(len(rows)))
+    result.bytes = sizes
     write_skipped(output, skipped)
     merged = dataclasses.replace(
         manifests[0],

@@ -21,14 +21,14 @@ from vllm_hs.extract.format import (
     Manifest,
     Row,
     Skip,
-    hs_path,
-    read_hs_meta,
+    read_samples,
     remove_temp_files,
     write_arrow,
     write_skipped,
     write_token_freq,
 )
 from vllm_hs.extract.inputs import Sample
+from vllm_hs.extract.trainers import SampleFiles, sample_files
 
 __all__ = ["finalize", "finish_compaction", "open_output"]
 
@@ -78,6 +78,10 @@ def open_output(output: Path, manifest: Manifest, resume: bool) -> Manifest | No
     return previous
 
 
+def _files(manifest: Manifest) -> SampleFiles:
+    return sample_files(manifest.trainer_format, manifest.compress)
+
+
 def finalize(
     output: Path,
     samples: Sequence[Sample],
@@ -88,59 +92,74 @@ def finalize(
     """Close gaps (samples dropped after planning), then write the Arrow dataset,
     the skip report and the manifest (last: it marks the run complete)."""
     done = sorted(rows)
-    moves = [(old, new) for new, old in enumerate(done) if old != new]
+    files = _files(manifest)
+    index_of = {s.row: s.index for s in samples}
+    moves = []
+    for new, old in enumerate(done):
+        index = index_of[old]
+        if files.path(output, old, index) != files.path(output, new, index):
+            moves.append((old, new, index))
     if moves:
-        index_of = {s.row: s.index for s in samples}
         fs.atomic_write_json(
             output / COMPACTION,
             {
-                "moves": [[old, new, index_of[old]] for old, new in moves],
+                "moves": [list(move) for move in moves],
                 "samples": len(done),
                 "skipped": [
                     s.to_json() for s in sorted(result.skipped, key=lambda s: s.index)
                 ],
             },
         )
-        _apply_compaction(output)
+        _apply_compaction(output, files)
     _complete(output, [rows[old] for old in done], manifest, result)
 
 
 def finish_compaction(output: Path, manifest: Manifest, result: ExtractResult) -> None:
     """Finish a run that crashed while closing gaps: all samples were written,
     so finish the renames and build the dataset from the files."""
-    _apply_compaction(output)
+    files = _files(manifest)
+    _apply_compaction(output, files)
     record = json.loads((output / COMPACTION).read_text())
-    final = []
-    for row in range(record["samples"]):
-        meta = read_hs_meta(hs_path(output, row))
-        final.append(Row(array("i", meta.token_ids), bytes(meta.loss_mask)))
+    final = [
+        Row(array("i", meta.token_ids), bytes(meta.loss_mask))
+        for _, meta in read_samples(output, files)
+    ]
+    if len(final) != record["samples"]:
+        raise VllmHsError(
+            f"{output}: {len(final)} sample files after closing gaps, expected "
+            f"{record['samples']}; rerun without --resume"
+        )
     result.skipped = [Skip.from_json(s) for s in record["skipped"]]
     _complete(output, final, manifest, result)
 
 
-def _apply_compaction(output: Path) -> None:
-    """Rename hs files down to close gaps; safe to redo after a crash (each move
-    is checked against the input index stored in the file)."""
+def _apply_compaction(output: Path, files: SampleFiles) -> None:
+    """Rename sample files down to close gaps; safe to redo after a crash (each
+    move is checked against the input index stored in the file)."""
     for old, new, index in json.loads((output / COMPACTION).read_text())["moves"]:
-        source = hs_path(output, old)
+        source = files.path(output, old, index)
         if not source.exists():
             continue  # moved before the crash
         try:
-            stored = read_hs_meta(source).input_index
+            stored = files.read_meta(source).input_index
         except Exception:  # noqa: BLE001 - a file moved here has another index
             continue
         if stored == index:
-            os.replace(source, hs_path(output, new))
+            target = files.path(output, new, index)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(source, target)
 
 
 def _complete(
     output: Path, final: list[Row], manifest: Manifest, result: ExtractResult
 ) -> None:
-    write_arrow(output, final)
-    write_token_freq(output, final)
+    files = _files(manifest)
+    if files.writes_dataset:
+        write_arrow(output, final)
+        write_token_freq(output, final)
     result.samples = len(final)
     result.tokens = sum(len(ids) for ids, _ in final)
-    result.bytes = sum(hs_path(output, i).stat().st_size for i in range(len(final)))
+    result.bytes = sum(path.stat().st_size for path in files.files(output))
     write_skipped(output, result.skipped)
     manifest.summarize(result)
     manifest.write(output / MANIFEST)

@@ -50,6 +50,7 @@ from vllm_hs.extract.inputs import (
 from vllm_hs.extract.layers import describe_layers
 from vllm_hs.extract.outdir import finalize, finish_compaction, open_output
 from vllm_hs.extract.storage import reading_note, stored_dtype
+from vllm_hs.extract.trainers import sample_files
 from vllm_hs.extract.writer import WriteJob, Writer
 
 __all__ = ["extract"]
@@ -80,6 +81,8 @@ def extract(
     data: str | None = None,
     engine_options: dict[str, Any] | None = None,
     storage_dtype: str = "auto",
+    trainer_format: str = "speculators",
+    compress: bool = False,
 ) -> ExtractResult:
     """Extract hidden states of ``conversations`` with ``llm`` (a `vllm.LLM`
     started with ``hidden_states_config`` covering ``layers``) into ``output``
@@ -91,6 +94,8 @@ def extract(
     flight or waiting to be written. ``data`` and ``engine_options`` are only
     recorded in the manifest. ``storage_dtype`` (`vllm_hs.extract.storage`):
     "auto" (the model's dtype), "bfloat16", "float16" or "fp8".
+    ``trainer_format`` (`vllm_hs.extract.trainers`): "speculators",
+    "specforge" (``compress``: gzipped files) or "modelopt".
     """
     output = Path(output)
     model_config = llm.llm_engine.model_config
@@ -110,6 +115,13 @@ def extract(
     dtype = str(model_config.dtype).removeprefix("torch.")
     stored = stored_dtype(storage_dtype, dtype)
     num_hidden_layers = int(model_config.hf_text_config.num_hidden_layers)
+    files = sample_files(trainer_format, compress)
+    files.check_layers(layers, num_hidden_layers)
+    if stored == "float8_e4m3fn" and not files.stores_fp8:
+        raise VllmHsError(
+            f"--storage-dtype fp8 is speculators' layout; {trainer_format} cannot "
+            "read its scales (use bfloat16)"
+        )
     template = chat_template if chat_template is not None else tokenizer.chat_template
     manifest = Manifest(
         model=str(model_config.model),
@@ -134,6 +146,9 @@ def extract(
         shard_index=shard_index,
         data=data,
         engine_options=engine_options,
+        format=files.description,
+        trainer_format=files.name,
+        compress=compress,
     )
     result = ExtractResult(output=output, layers=layers)
     previous = open_output(output, manifest, resume)
@@ -161,7 +176,7 @@ def extract(
     for skip in skipped:
         logger.info("skipping conversation %d: %s", skip.index, skip.reason)
     result.skipped.extend(skipped)
-    rows = scan_finished(output, samples, len(layers), hidden)
+    rows = scan_finished(output, samples, len(layers), hidden, files)
     if rows:
         logger.info(
             "resuming: %d of %d samples already written", len(rows), len(samples)
@@ -174,7 +189,7 @@ def extract(
         tokenizer,
         result,
         rows,
-        Writer(output, len(layers), hidden, validate, stored),
+        Writer(output, len(layers), hidden, validate, stored, files),
         layers=layers,
         max_length=max_length,
         regenerate=manifest.regenerate,

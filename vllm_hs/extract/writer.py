@@ -1,6 +1,7 @@
 """The writer thread of `vllm-hs extract`: checks each finished sample's states
 (shape; NaN/Inf unless --no-validate), converts them to the stored dtype
-(`vllm_hs.extract.storage`) and writes its hs file, so disk writes overlap
+(`vllm_hs.extract.storage`) and writes its sample file (in the trainer's
+format, `vllm_hs.extract.trainers`), so disk writes overlap
 engine work. The engine loop (`vllm_hs.extract.runner`) submits
 `WriteJob`s and collects one `WriteResult` per job.
 """
@@ -14,9 +15,10 @@ from array import array
 from pathlib import Path
 from typing import Any
 
-from vllm_hs.extract.format import Row, hs_path, save_hs_file
+from vllm_hs.extract.format import Row
 from vllm_hs.extract.inputs import Sample
 from vllm_hs.extract.storage import encode_states
+from vllm_hs.extract.trainers import SampleFiles, sample_files
 
 __all__ = ["WriteJob", "WriteResult", "Writer"]
 
@@ -57,9 +59,16 @@ class Writer:
     ``error`` (and a result is still posted, so the main thread wakes up)."""
 
     def __init__(
-        self, output: Path, layers: int, hidden: int, validate: bool, dtype: str
+        self,
+        output: Path,
+        layers: int,
+        hidden: int,
+        validate: bool,
+        dtype: str,
+        files: SampleFiles | None = None,
     ):
         self.output = output
+        self.files = files if files is not None else sample_files()
         self.layers = layers
         self.hidden = hidden
         self.validate = validate
@@ -106,8 +115,8 @@ class Writer:
             tensors, problem = encode_states(job.states, self.dtype)
         if problem:
             return WriteResult(sample.row, sample.index, problem=problem)
-        size = save_hs_file(
-            hs_path(self.output, sample.row),
+        size = self.files.save(
+            self.files.path(self.output, sample.row, sample.index),
             tensors,
             _ids_tensor(token_ids),
             sample.index,
