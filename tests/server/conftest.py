@@ -19,6 +19,11 @@ from vllm_hs.testing import expected_model_runner, patched_vllm_skip_reason
 SKIP_REASON = patched_vllm_skip_reason()
 
 from vllm_hs.testing.server import HS_CONFIG, ServerProcess  # noqa: E402
+
+# The server speculators' online training reads (vllm_hs.speculators_online):
+# the layers `vllm-hs extract` writes for the tiny model, answered in
+# kv_transfer_params.
+ONLINE_CONFIG = {"layers": [1, 2, 3, 4], "respond_in_kv_transfer_params": True}
 from vllm_hs.tiny_model import build_tiny_model  # noqa: E402
 
 
@@ -71,7 +76,7 @@ class _Servers:
     def launch(self, name: str) -> ServerProcess:
         server = self.servers.get(name)
         if server is None:
-            config = HS_CONFIG if name == "hs" else None
+            config = {"hs": HS_CONFIG, "online": ONLINE_CONFIG}.get(name)
             # The worker probe answers the dev-mode /collective_rpc route.
             probe = ["--worker-extension-cls", "vllm_hs.testing.ChannelStateProbe"]
             server = ServerProcess(
@@ -127,6 +132,12 @@ def hs_server(request: pytest.FixtureRequest, _servers: _Servers) -> ServerProce
 def plain_server(_servers: _Servers) -> ServerProcess:
     """The same model served without --hidden-states-config."""
     return _servers.launch("plain").wait_ready()
+
+
+@pytest.fixture(scope="session")
+def online_server(_servers: _Servers) -> ServerProcess:
+    """The same model served with ONLINE_CONFIG."""
+    return _servers.launch("online").wait_ready()
 
 
 @pytest.fixture(scope="session")

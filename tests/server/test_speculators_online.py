@@ -1,0 +1,113 @@
+"""speculators' online training against a real patched `vllm serve`: its
+ArrowDataset, with `on_missing="generate"` and the `vllm-hs` backend
+(vllm_hs.speculators_online), asks the server for every sample and the rows it
+hands to training equal HF transformers' rows; nothing goes through files."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from array import array
+from pathlib import Path
+
+import torch
+
+from vllm_hs.hf_reference import assert_states_close, hf_hidden_states
+
+NUM = 4
+HIDDEN = 128
+
+
+def test_backend_is_a_choice_of_speculators_train():
+    proc = subprocess.run(
+        [sys.executable, "-m", "vllm_hs.speculators_online", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "{file,fp8,mooncake,vllm-hs}" in proc.stdout
+
+
+def test_dataset_generates_hf_rows_from_the_server(
+    online_server, model_dir, tmp_path: Path
+):
+    from speculators.train.data import ArrowDataset
+    from transformers import AutoTokenizer
+
+    from vllm_hs.extract.format import HS_DIR, Row, write_arrow
+    from vllm_hs.extract.inputs import (
+        load_conversations,
+        render_with_mask,
+        shipped_conversations_path,
+    )
+    from vllm_hs.speculators_online import VllmHsBackend
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    conversations = load_conversations(shipped_conversations_path())[0][:NUM]
+    rendered = [render_with_mask(tokenizer, c) for c in conversations]
+    # What speculators' prepare_data leaves for online training: the token
+    # dataset, no hidden-state files.
+    write_arrow(tmp_path, [Row(array("i", ids), bytes(mask)) for ids, mask in rendered])
+    (tmp_path / HS_DIR).mkdir()
+    transfer = VllmHsBackend.from_train_args(
+        argparse.Namespace(hidden_states_path=None), str(tmp_path)
+    )
+    dataset = ArrowDataset(
+        max_len=512,
+        datapath=str(tmp_path),
+        transfer=transfer,
+        vllm_endpoint=online_server.base_url,
+        on_missing="generate",
+        hidden_states_dtype=torch.float32,
+    )
+    for i, (ids, mask) in enumerate(rendered):
+        item = dataset[i]
+        assert item["input_ids"].tolist() == ids
+        assert item["loss_mask"].tolist() == mask
+        expected = hf_hidden_states(model_dir, ids, [1, 2, 3, 4])
+        assert_states_close(
+            item["hidden_states"],
+            expected[:, :3].reshape(len(ids), 3 * HIDDEN),
+            dtype=torch.float32,
+            what=f"sample {i} aux layers",
+        )
+        assert_states_close(
+            item["verifier_last_hidden_states"],
+            expected[:, 3],
+            dtype=torch.float32,
+            what=f"sample {i} verifier last",
+        )
+    assert not list((tmp_path / HS_DIR).iterdir()), "states went through files"
+
+
+def test_a_request_asking_for_states_is_answered_as_usual(online_server, model_dir):
+    """The server answers requests that ask in the usual fields, and plain
+    ones in kv_transfer_params."""
+    import openai
+
+    client = openai.OpenAI(
+        base_url=online_server.base_url, api_key="x", timeout=120.0, max_retries=0
+    )
+    prompt = [11, 12, 13, 14, 15]
+    plain = client.completions.create(
+        model=model_dir,
+        prompt=prompt,
+        max_tokens=1,
+        extra_body={"return_token_ids": True},
+    )
+    params = plain.kv_transfer_params
+    assert params["token_ids"] == prompt and params["handle"]
+    assert params["hidden_states"]["shape"] == [5, 4, HIDDEN]
+    asked = client.completions.create(
+        model=model_dir,
+        prompt=prompt,
+        max_tokens=2,
+        extra_body={"hidden_states": {"layers": [4]}},
+    )
+    assert asked.kv_transfer_params is None
+    choice = asked.choices[0].model_extra
+    assert choice["prompt_hidden_states"]["shape"] == [5, 1, HIDDEN]
+    assert choice["hidden_states"]["shape"] == [1, 1, HIDDEN]
+    client.close()

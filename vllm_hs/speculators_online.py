@@ -1,0 +1,126 @@
+"""speculators' online training from a patched vLLM server, states inline.
+
+speculators (>= 0.9) trains a draft model online: for every sample without
+cached states it sends the server a completion (``max_tokens=1``,
+``return_token_ids=true``) and hands the response's ``kv_transfer_params`` to
+its hidden-states backend (hs-connectors' ``HiddenStatesTransfer``). Upstream's
+backends read a file (or a Mooncake store) that a KV connector wrote. This one,
+``--hidden-states-backend vllm-hs``, takes the states from the response
+itself: a server started with
+
+    vllm serve MODEL --hidden-states-config \\
+        '{"layers": [2, 16, 29, 32], "respond_in_kv_transfer_params": true}'
+
+puts each request's prompt states into ``kv_transfer_params`` (``handle``,
+``hidden_states`` payload, ``token_ids``): no shared file system, no files to
+clean up. Columns are the server's layers in order; speculators reads the last
+as the verifier's last hidden state and the others as aux layers, as in
+`vllm-hs extract`'s output. ``--hidden-states-path DIR`` (optional) also reads
+already extracted ``hs_{i}.safetensors`` files there first, as the file
+backend does.
+
+The backend registers itself when this module is imported, which has to
+happen before speculators builds its command line; run training through
+
+    python -m vllm_hs.speculators_online config.yaml --hidden-states-backend vllm-hs \\
+        --vllm-endpoint http://HOST:8000/v1 ...
+    torchrun --nproc-per-node N -m vllm_hs.speculators_online ...   (same)
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from hs_connectors.transfer import (
+    FileTransfer,
+    HiddenStatesBackend,
+    HiddenStatesTransfer,
+)
+
+from vllm_hs.client import decode
+
+__all__ = ["BACKEND_NAME", "InlineTransfer", "VllmHsBackend", "main"]
+
+BACKEND_NAME = "vllm-hs"
+
+
+class InlineTransfer(HiddenStatesTransfer):
+    """Reads states from the ``kv_transfer_params`` of a patched server's
+    response (and, with ``cache_path``, from extracted hs files first)."""
+
+    def __init__(self, cache_path: Path | None = None) -> None:
+        self.files = FileTransfer(cache_path) if cache_path is not None else None
+
+    def get_cached(self, file_idx: int) -> dict[str, Any] | None:
+        return self.files.get_cached(file_idx) if self.files is not None else None
+
+    def get_generated(self, hs_transfer_params: dict[str, Any]) -> dict[str, Any]:
+        import torch
+
+        payload = hs_transfer_params.get("hidden_states")
+        if payload is None:
+            raise ValueError(
+                "the server's kv_transfer_params hold no hidden states: start it "
+                'with --hidden-states-config \'{..., "respond_in_kv_transfer_params":'
+                " true}' (a patched vLLM, `vllm-hs wheel`)"
+            )
+        rows = decode(payload)
+        token_ids = torch.tensor(hs_transfer_params["token_ids"], dtype=torch.long)
+        if rows.shape[0] != token_ids.shape[0]:
+            raise ValueError(
+                f"{rows.shape[0]} hidden-state rows for {token_ids.shape[0]} tokens "
+                f"(request {hs_transfer_params.get('handle')})"
+            )
+        return {"hidden_states": rows, "token_ids": token_ids}
+
+    def delete(self, handle: str) -> None:
+        """Nothing to clean up: the states came with the response."""
+
+
+def _add_path_argument(parser: argparse.ArgumentParser) -> None:
+    # The file backend's option (same dest), so both can be registered.
+    if any("--hidden-states-path" in a.option_strings for a in parser._actions):
+        return
+    parser.add_argument(
+        "--hidden-states-path",
+        type=str,
+        default=None,
+        help="Directory of extracted hs_{i}.safetensors files to read first.",
+    )
+
+
+@HiddenStatesBackend.register(BACKEND_NAME)
+class VllmHsBackend(HiddenStatesBackend):
+    """States inline in a patched vLLM server's responses."""
+
+    @staticmethod
+    def add_train_args(parser: argparse.ArgumentParser) -> None:
+        _add_path_argument(parser)
+
+    @staticmethod
+    def add_launch_args(parser: argparse.ArgumentParser) -> None:
+        """The server needs no KV connector (see the module docstring)."""
+
+    @staticmethod
+    def from_train_args(args: argparse.Namespace, data_path: str) -> InlineTransfer:
+        path = getattr(args, "hidden_states_path", None)
+        return InlineTransfer(Path(path) if path else None)
+
+    @staticmethod
+    def build_kv_transfer_config(args: argparse.Namespace) -> dict[str, Any]:
+        """None needed: the states come from `--hidden-states-config`."""
+        return {}
+
+
+def main() -> None:
+    """speculators' training entry point, with this backend registered."""
+    from speculators.train.cli import main as train
+    from speculators.train.config import TrainConfig
+
+    train(TrainConfig.resolve())
+
+
+if __name__ == "__main__":
+    main()
