@@ -26,7 +26,8 @@ def _num_preemptions(llm) -> float:
 @pytest.mark.parametrize("mode", MODES)
 def test_preemption_and_recompute(mode, llama_fp32):
     """A KV cache of 320 tokens for 6 requests of 80: requests are preempted
-    and recomputed; no row may be duplicated or missing."""
+    and recomputed; no row may be duplicated or missing (all rows, output
+    only, position windows and the last rows)."""
     layers = [1, 3, "final_norm"]
     with engine(
         llama_fp32,
@@ -42,9 +43,14 @@ def test_preemption_and_recompute(mode, llama_fp32):
         enforce_eager=True,
     ) as llm:
         cases = []
+        windows = [[30, 45], [60, 70]]  # across the prompt's end (40)
         for i in range(6):
             if i % 3 == 2:
                 hs, expect = {"prompt": False}, Expect(layers, prompt=False)
+            elif i == 1:
+                hs, expect = {"positions": windows}, Expect(layers, positions=windows)
+            elif i == 4:
+                hs, expect = {"positions": "last"}, Expect(layers, positions="last")
             else:
                 hs, expect = {}, Expect(layers)
             cases.append(

@@ -106,11 +106,22 @@ class SampleFiles:
 
 class _TorchSaveFiles(SampleFiles):
     """Trainers that read one ``torch.save`` dict per sample: the last column
-    must be ``final_norm``, the aux columns ascending layer ids."""
+    must be ``final_norm``, the aux columns ascending layer ids. A subclass
+    names its files and keys."""
 
     stores_fp8 = False
     writes_dataset = False
     exact_aux: int | None = None
+    file_glob = ""
+    """Where its files are, below OUTPUT/hidden_states."""
+    file_name = ""
+    """The full match of a file name (others, like temporaries, are not samples)."""
+    last_key = ""
+    aux_key = ""
+    index_key = ""
+    """The key naming the input conversation."""
+    batched = False
+    """Whether the states carry a leading batch dimension of 1."""
 
     def check_layers(self, layers: Sequence[int | str], num_hidden_layers: int) -> None:
         *aux, last = layers
@@ -138,15 +149,16 @@ class _TorchSaveFiles(SampleFiles):
         *aux, _ = default_layers(num_hidden_layers)
         return [*aux, FINAL_NORM]
 
-    def tensors(self, states: Any, token_ids: Any, index: int, mask: Any) -> dict:
-        raise NotImplementedError
+    def files(self, output: Path) -> Iterator[Path]:
+        directory = output / HS_DIR
+        if directory.is_dir():
+            for path in directory.glob(self.file_glob):
+                if re.fullmatch(self.file_name, path.name):
+                    yield path
 
-    def _split(self, states: Any) -> tuple[Any, Any]:
-        """(aux [T, (K-1)*H], last [T, H]) of [T, K, H] states, as tensors of
-        their own (torch.save writes a view's whole storage)."""
-        rows, columns, hidden = states.shape
-        aux = states[:, :-1].reshape(rows, (columns - 1) * hidden).clone()
-        return aux, states[:, -1].clone()
+    def index_value(self, index: int) -> Any:
+        """How the input index is stored."""
+        return index
 
     def save(
         self,
@@ -158,8 +170,20 @@ class _TorchSaveFiles(SampleFiles):
     ) -> int:
         import torch
 
-        loss_mask = torch.tensor(list(mask), dtype=torch.int64)
-        record = self.tensors(states["hidden_states"], token_ids, index, loss_mask)
+        rows = states["hidden_states"]
+        count, columns, hidden = rows.shape
+        # Tensors of their own: torch.save writes a view's whole storage.
+        aux = rows[:, :-1].reshape(count, (columns - 1) * hidden).clone()
+        last = rows[:, -1].clone()
+        if self.batched:
+            aux, last = aux.unsqueeze(0), last.unsqueeze(0)
+        record = {
+            "input_ids": token_ids,
+            "loss_mask": torch.tensor(list(mask), dtype=torch.int64),
+            self.last_key: last,
+            self.aux_key: aux,
+            self.index_key: self.index_value(index),
+        }
         path.parent.mkdir(parents=True, exist_ok=True)
         with fs.atomic_path(path) as tmp:
             if path.name.endswith(".gz"):
@@ -178,13 +202,24 @@ class _TorchSaveFiles(SampleFiles):
                     torch.save(record, f)
         return path.stat().st_size
 
-    def _load(self, path: Path) -> dict[str, Any]:
+    def read_meta(self, path: Path) -> HsFileMeta:
         import torch
 
         if path.name.endswith(".gz"):
             with gzip.open(path, "rb") as f:
-                return torch.load(io.BytesIO(f.read()), weights_only=True)
-        return torch.load(path, weights_only=True, mmap=True)
+                record = torch.load(io.BytesIO(f.read()), weights_only=True)
+        else:
+            record = torch.load(path, weights_only=True, mmap=True)
+        last, aux = record[self.last_key], record[self.aux_key]
+        if self.batched:
+            last, aux = last[0], aux[0]
+        rows, hidden = last.shape
+        return HsFileMeta(
+            int(record[self.index_key]),
+            [int(m) for m in record["loss_mask"].tolist()],
+            record["input_ids"].tolist(),
+            (rows, aux.shape[1] // hidden + 1, hidden),
+        )
 
 
 class SpecForgeFiles(_TorchSaveFiles):
@@ -195,6 +230,12 @@ class SpecForgeFiles(_TorchSaveFiles):
         "[1, T, H] final norm, aux_hidden_state [1, T, 3H])"
     )
     exact_aux = 3
+    file_glob = "rows_*/data_*.ckpt*"
+    file_name = r"data_\d+\.ckpt(\.gz)?"
+    last_key = "hidden_state"
+    aux_key = "aux_hidden_state"
+    index_key = "vllm_hs_input_index"
+    batched = True
 
     def __init__(self, compress: bool = False) -> None:
         self.suffix = ".ckpt.gz" if compress else ".ckpt"
@@ -208,36 +249,11 @@ class SpecForgeFiles(_TorchSaveFiles):
             / f"data_{row}{self.suffix}"
         )
 
-    def files(self, output: Path) -> Iterator[Path]:
-        directory = output / HS_DIR
-        if directory.is_dir():
-            for path in directory.glob("rows_*/data_*.ckpt*"):
-                if re.fullmatch(r"data_\d+\.ckpt(\.gz)?", path.name):
-                    yield path
-
-    def tensors(self, states: Any, token_ids: Any, index: int, mask: Any) -> dict:
+    def index_value(self, index: int) -> Any:
         import torch
 
-        aux, last = self._split(states)
-        return {
-            "input_ids": token_ids,
-            "loss_mask": mask,
-            "hidden_state": last.unsqueeze(0),
-            "aux_hidden_state": aux.unsqueeze(0),
-            "vllm_hs_input_index": torch.tensor(index, dtype=torch.int64),
-        }
-
-    def read_meta(self, path: Path) -> HsFileMeta:
-        record = self._load(path)
-        aux = record["aux_hidden_state"]
-        last = record["hidden_state"]
-        rows, hidden = last.shape[1], last.shape[2]
-        return HsFileMeta(
-            int(record["vllm_hs_input_index"]),
-            [int(m) for m in record["loss_mask"].tolist()],
-            record["input_ids"].tolist(),
-            (rows, aux.shape[2] // hidden + 1, hidden),
-        )
+        # SpecForge's generator stores only tensors; its reader ignores the key.
+        return torch.tensor(index, dtype=torch.int64)
 
 
 class ModelOptFiles(_TorchSaveFiles):
@@ -247,37 +263,14 @@ class ModelOptFiles(_TorchSaveFiles):
         "(torch.save: input_ids, hidden_states [T, H] final norm, "
         "aux_hidden_states [T, K*H], loss_mask, conversation_id)"
     )
+    file_glob = "*.pt"
+    file_name = r"\d+\.pt"
+    last_key = "hidden_states"
+    aux_key = "aux_hidden_states"
+    index_key = "conversation_id"
 
     def path(self, output: Path, row: int, index: int) -> Path:
         return output / HS_DIR / f"{index}.pt"
-
-    def files(self, output: Path) -> Iterator[Path]:
-        directory = output / HS_DIR
-        if directory.is_dir():
-            for path in directory.glob("*.pt"):
-                if re.fullmatch(r"\d+\.pt", path.name):
-                    yield path
-
-    def tensors(self, states: Any, token_ids: Any, index: int, mask: Any) -> dict:
-        aux, last = self._split(states)
-        return {
-            "input_ids": token_ids,
-            "hidden_states": last,
-            "aux_hidden_states": aux,
-            "loss_mask": mask,
-            "conversation_id": index,
-        }
-
-    def read_meta(self, path: Path) -> HsFileMeta:
-        record = self._load(path)
-        last = record["hidden_states"]
-        rows, hidden = last.shape
-        return HsFileMeta(
-            int(record["conversation_id"]),
-            [int(m) for m in record["loss_mask"].tolist()],
-            record["input_ids"].tolist(),
-            (rows, record["aux_hidden_states"].shape[1] // hidden + 1, hidden),
-        )
 
 
 FORMATS = ("speculators", "specforge", "modelopt")
