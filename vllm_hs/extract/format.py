@@ -409,14 +409,10 @@ def scan_finished(
     samples: Sequence[Sample],
     layers: int,
     hidden: int,
-    files: SampleFiles | None = None,
+    files: SampleFiles,
 ) -> dict[int, Row]:
     """Rows whose sample file is complete and belongs to the planned sample
     (--resume); other sample files are deleted, to be redone."""
-    if files is None:
-        from vllm_hs.extract.trainers import sample_files
-
-        files = sample_files()
     found: dict[int, Row] = {}
     by_index = {s.index: s for s in samples}
     for path in list(files.files(output)):

@@ -111,7 +111,7 @@ def finalize(
             },
         )
         _apply_compaction(output, files)
-    _complete(output, [rows[old] for old in done], manifest, result)
+    _complete(output, files, [rows[old] for old in done], manifest, result)
 
 
 def finish_compaction(output: Path, manifest: Manifest, result: ExtractResult) -> None:
@@ -130,7 +130,7 @@ def finish_compaction(output: Path, manifest: Manifest, result: ExtractResult) -
             f"{record['samples']}; rerun without --resume"
         )
     result.skipped = [Skip.from_json(s) for s in record["skipped"]]
-    _complete(output, final, manifest, result)
+    _complete(output, files, final, manifest, result)
 
 
 def _apply_compaction(output: Path, files: SampleFiles) -> None:
@@ -151,9 +151,12 @@ def _apply_compaction(output: Path, files: SampleFiles) -> None:
 
 
 def _complete(
-    output: Path, final: list[Row], manifest: Manifest, result: ExtractResult
+    output: Path,
+    files: SampleFiles,
+    final: list[Row],
+    manifest: Manifest,
+    result: ExtractResult,
 ) -> None:
-    files = _files(manifest)
     if files.writes_dataset:
         write_arrow(output, final)
         write_token_freq(output, final)

@@ -49,7 +49,7 @@ from vllm_hs.extract.inputs import (
 )
 from vllm_hs.extract.layers import describe_layers
 from vllm_hs.extract.outdir import finalize, finish_compaction, open_output
-from vllm_hs.extract.storage import reading_note, stored_dtype
+from vllm_hs.extract.storage import FP8, reading_note, stored_dtype
 from vllm_hs.extract.trainers import sample_files
 from vllm_hs.extract.writer import WriteJob, Writer
 
@@ -117,7 +117,7 @@ def extract(
     num_hidden_layers = int(model_config.hf_text_config.num_hidden_layers)
     files = sample_files(trainer_format, compress)
     files.check_layers(layers, num_hidden_layers)
-    if stored == "float8_e4m3fn" and not files.stores_fp8:
+    if stored == FP8 and not files.stores_fp8:
         raise VllmHsError(
             f"--storage-dtype fp8 is speculators' layout; {trainer_format} cannot "
             "read its scales (use bfloat16)"

@@ -18,7 +18,7 @@ from typing import Any
 from vllm_hs.extract.format import Row
 from vllm_hs.extract.inputs import Sample
 from vllm_hs.extract.storage import encode_states
-from vllm_hs.extract.trainers import SampleFiles, sample_files
+from vllm_hs.extract.trainers import SampleFiles
 
 __all__ = ["WriteJob", "WriteResult", "Writer"]
 
@@ -65,10 +65,10 @@ class Writer:
         hidden: int,
         validate: bool,
         dtype: str,
-        files: SampleFiles | None = None,
+        files: SampleFiles,
     ):
         self.output = output
-        self.files = files if files is not None else sample_files()
+        self.files = files
         self.layers = layers
         self.hidden = hidden
         self.validate = validate
