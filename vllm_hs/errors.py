@@ -33,12 +33,12 @@ def import_patched_vllm() -> ModuleType:
     return vllm
 
 
-def import_extra(module: str, purpose: str) -> ModuleType:
-    """Import `module` of the [extract] extra, or a VllmHsError naming the extra."""
+def import_extra(module: str, purpose: str, extra: str = "extract") -> ModuleType:
+    """Import `module` of vllm-hs's ``extra``, or a VllmHsError naming the extra."""
     try:
         return importlib.import_module(module)
     except ImportError as error:
         raise VllmHsError(
             f"{purpose} needs the '{module}' package ({error}); "
-            "pip install 'vllm-hs[extract]'"
+            f"pip install 'vllm-hs[{extra}]'"
         ) from error

@@ -121,6 +121,23 @@ vllm-hs id a + 1):
   Neither gets the Arrow dataset or token_freq.pt; --storage-dtype fp8 is
   speculators' only.
 
+Ray (--ray, vllm-hs[ray]): the driver plans the samples and writes the
+manifest and the dataset; --replicas N engines in Ray actors (Ray Data's
+actor pool) extract batches of samples and write their files into OUTPUT
+themselves. The output is the dataset a run without Ray writes, and --resume
+continues a killed run with or without Ray. Every node needs the patched vLLM,
+vllm-hs, the model at the same path (or hub id) and OUTPUT on a shared file
+system at the same path; replicas get the driver's VLLM_*, HF_*, OMP_* and
+VLLM_HS_CACHE variables, and GPUs (tensor x pipeline parallel size each) when
+the cluster has any. Multi-node:
+  node 1:  ray start --head --port 6379
+  others:  ray start --address HEAD_IP:6379
+  node 1:  vllm-hs extract --model M --data D --output /shared/O \
+               --ray auto --replicas 8 --tensor-parallel-size 1
+Without a shared file system: one shard per node (--num-shards S --shard-index
+I, with or without --ray), then copy the shard directories into one OUTPUT and
+--merge.
+
 file modes: every file is written with the mode the umask gives new files
 (umask 022: 0644).
 
@@ -131,6 +148,7 @@ examples:
   vllm-hs extract --model M --data D --output O -- -O3 --max-num-seqs 64
   vllm-hs extract --model M --data D --output O --num-shards 4 --shard-index 1
   vllm-hs extract --output O --merge
+  vllm-hs extract --model M --data D --output O --ray --replicas 2
 """
 
 
@@ -296,6 +314,33 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "(default: %(default)s MiB)",
     )
     parser.add_argument(
+        "--ray",
+        metavar="ADDRESS",
+        nargs="?",
+        const="local",
+        default=None,
+        help="run on Ray (needs vllm-hs[ray]): without ADDRESS on a local Ray "
+        "cluster started for the run; 'auto', HOST:PORT or ray://HOST:PORT joins "
+        "an existing one. OUTPUT must be on a file system every node sees at the "
+        "same path (see below)",
+    )
+    parser.add_argument(
+        "--replicas",
+        metavar="N",
+        type=int,
+        default=1,
+        help="--ray: engines to run, one per Ray actor, each with the engine "
+        "options given (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--ray-batch-size",
+        metavar="N",
+        type=int,
+        default=None,
+        help="--ray: samples a replica takes at a time (default: a quarter of "
+        "each replica's share, at most 64)",
+    )
+    parser.add_argument(
         "--no-progress",
         dest="progress",
         action="store_false",
@@ -425,8 +470,10 @@ def run(args: argparse.Namespace) -> int:
     given = _given_engine_options(args)
     _check_own_options(given, "--hidden-states-config")
     if args.merge:
-        if engine_argv or given:
-            raise VllmHsError("--merge starts no engine: drop the engine options")
+        if engine_argv or given or args.ray is not None:
+            raise VllmHsError(
+                "--merge starts no engine: drop the engine options and --ray"
+            )
         result = merge_shards(args.output)
         _print_summary(result, None, 0.0)
         return 0
@@ -439,6 +486,12 @@ def run(args: argparse.Namespace) -> int:
         raise VllmHsError("--max-length must be positive")
     if args.max_new_tokens < 1:
         raise VllmHsError("--max-new-tokens must be positive")
+    if args.ray is None and (args.replicas != 1 or args.ray_batch_size is not None):
+        raise VllmHsError("--replicas and --ray-batch-size need --ray")
+    if args.replicas < 1:
+        raise VllmHsError("--replicas must be at least 1")
+    if args.ray_batch_size is not None and args.ray_batch_size < 1:
+        raise VllmHsError("--ray-batch-size must be at least 1")
     started = time.perf_counter()
 
     # Cheap checks first: data and layers fail before an engine starts.
@@ -488,36 +541,54 @@ def run(args: argparse.Namespace) -> int:
     logger.info("data: %s (%d conversations)", data, len(conversations))
     logger.info("layers: %s; output: %s", layers, output)
 
-    llm = LLM(model=model, hidden_states_config={"layers": layers}, **engine_kwargs)
-    try:
-        result = extract(
-            llm,
+    options: dict[str, Any] = dict(
+        layers=layers,
+        data_sha256=data_sha256,
+        max_length=args.max_length,
+        regenerate=args.regenerate,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+        num_shards=args.num_shards,
+        shard_index=args.shard_index,
+        resume=args.resume,
+        chat_template=chat_template,
+        validate=args.validate,
+        buffer_bytes=args.buffer_mib << 20,
+        progress=args.progress,
+        data=str(data),
+        engine_options=_jsonable(engine_kwargs),
+        storage_dtype=args.storage_dtype,
+        trainer_format=args.format,
+        compress=args.compress,
+    )
+    replicas: dict[str, Any] = {}
+    if args.ray is not None:
+        from vllm_hs.extract.on_ray import extract_on_ray
+
+        result, replicas = extract_on_ray(
+            model,
+            engine_kwargs,
             conversations,
             output,
-            layers=layers,
-            data_sha256=data_sha256,
-            max_length=args.max_length,
-            regenerate=args.regenerate,
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            seed=args.seed,
-            num_shards=args.num_shards,
-            shard_index=args.shard_index,
-            resume=args.resume,
-            chat_template=chat_template,
-            validate=args.validate,
-            buffer_bytes=args.buffer_mib << 20,
-            progress=args.progress,
-            data=str(data),
-            engine_options=_jsonable(engine_kwargs),
-            storage_dtype=args.storage_dtype,
-            trainer_format=args.format,
-            compress=args.compress,
+            address=None if args.ray == "local" else args.ray,
+            replicas=args.replicas,
+            batch_size=args.ray_batch_size,
+            **options,
         )
-    finally:
-        with contextlib.suppress(Exception):
-            llm.llm_engine.engine_core.shutdown()
+    else:
+        llm = LLM(model=model, hidden_states_config={"layers": layers}, **engine_kwargs)
+        try:
+            result = extract(llm, conversations, output, **options)
+        finally:
+            with contextlib.suppress(Exception):
+                llm.llm_engine.engine_core.shutdown()
     _print_summary(result, started, result.seconds)
+    for name, stats in sorted(replicas.items()):
+        print(
+            f"replica {name}: {stats.samples} samples, {stats.tokens} tokens in "
+            f"{stats.seconds:.1f} s, {stats.tokens_per_s:,.0f} tokens/s"
+        )
     code = 0
     if result.rejected:
         logger.error(

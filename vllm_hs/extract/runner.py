@@ -53,7 +53,16 @@ from vllm_hs.extract.storage import FP8, reading_note, stored_dtype
 from vllm_hs.extract.trainers import sample_files
 from vllm_hs.extract.writer import WriteJob, Writer
 
-__all__ = ["extract"]
+__all__ = [
+    "ExtractJob",
+    "LoopSettings",
+    "ModelFacts",
+    "NoBar",
+    "extract",
+    "prepare",
+    "progress_bar",
+    "run_samples",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +75,145 @@ def extract(
     layers: Sequence[int | str],
     data_sha256: str,
     tokenizer: Any = None,
+    buffer_bytes: int = 2 << 30,
+    progress: bool = True,
+    **options: Any,
+) -> ExtractResult:
+    """Extract hidden states of ``conversations`` with ``llm`` (a `vllm.LLM`
+    started with ``hidden_states_config`` covering ``layers``) into ``output``
+    (this shard's directory). See the module docstring for the modes and
+    `prepare` for ``options``. At most ``buffer_bytes`` of states are in flight
+    or waiting to be written.
+    """
+    facts = ModelFacts.of(llm.llm_engine.model_config)
+    if tokenizer is None:
+        tokenizer = facts.load_tokenizer()
+    job = prepare(
+        facts,
+        tokenizer,
+        conversations,
+        Path(output),
+        layers=layers,
+        data_sha256=data_sha256,
+        buffer_bytes=buffer_bytes,
+        **options,
+    )
+    if job.todo is None:
+        return job.result
+    started = time.perf_counter()
+    run_samples(
+        llm.llm_engine,
+        tokenizer,
+        job.loop,
+        job.todo,
+        job.result,
+        job.rows,
+        progress_bar(len(job.todo), progress),
+    )
+    job.result.seconds = time.perf_counter() - started
+    job.finish()
+    return job.result
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFacts:
+    """What an extraction needs to know of the engine's model, from vLLM's
+    `ModelConfig` (an engine's, or one built without an engine: see
+    `vllm_hs.extract.on_ray`)."""
+
+    model: str
+    fingerprint: str
+    """SHA-256 of the model's config.json (identifies the model for --resume)."""
+    max_model_len: int
+    hidden_size: int
+    dtype: str
+    num_hidden_layers: int
+    tokenizer: str
+    tokenizer_revision: str | None
+    trust_remote_code: bool
+
+    @classmethod
+    def of(cls, model_config: Any) -> ModelFacts:
+        return cls(
+            model=str(model_config.model),
+            fingerprint=_model_fingerprint(model_config),
+            max_model_len=int(model_config.max_model_len),
+            hidden_size=int(model_config.get_hidden_size()),
+            dtype=str(model_config.dtype).removeprefix("torch."),
+            num_hidden_layers=int(model_config.hf_text_config.num_hidden_layers),
+            tokenizer=str(model_config.tokenizer),
+            tokenizer_revision=model_config.tokenizer_revision,
+            trust_remote_code=bool(model_config.trust_remote_code),
+        )
+
+    def load_tokenizer(self) -> Any:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(
+            self.tokenizer,
+            revision=self.tokenizer_revision,
+            trust_remote_code=self.trust_remote_code,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopSettings:
+    """What the engine loop (`run_samples`) needs besides the engine: the same
+    for every replica of a run (picklable)."""
+
+    output: Path
+    layers: list[int | str]
+    hidden_size: int
+    stored_dtype: str
+    validate: bool
+    trainer_format: str
+    compress: bool
+    max_length: int
+    regenerate: RegenerateSettings | None
+    chat_template: str | None
+    budget_tokens: int
+    """At most this many tokens of states in flight or waiting to be written."""
+
+    def writer(self) -> Writer:
+        files = sample_files(self.trainer_format, self.compress)
+        return Writer(
+            self.output,
+            len(self.layers),
+            self.hidden_size,
+            self.validate,
+            self.stored_dtype,
+            files,
+        )
+
+
+@dataclasses.dataclass
+class ExtractJob:
+    """A prepared extraction (`prepare`): ``todo`` the samples left to extract
+    (None when there is nothing to run: already complete, or finished while
+    preparing), ``rows`` what is already written (row -> `Row`), and `finish`
+    to call once ``todo`` is done."""
+
+    output: Path
+    manifest: Manifest
+    samples: list[Sample]
+    rows: dict[int, Row]
+    todo: list[Sample] | None
+    loop: LoopSettings
+    result: ExtractResult
+
+    def finish(self) -> None:
+        """Close gaps, write the dataset and the complete manifest."""
+        finalize(self.output, self.samples, self.rows, self.manifest, self.result)
+
+
+def prepare(
+    facts: ModelFacts,
+    tokenizer: Any,
+    conversations: Sequence[Conversation],
+    output: Path,
+    *,
+    layers: Sequence[int | str],
+    data_sha256: str,
     max_length: int | None = None,
     regenerate: bool = False,
     max_new_tokens: int = 256,
@@ -77,31 +225,24 @@ def extract(
     chat_template: str | None = None,
     validate: bool = True,
     buffer_bytes: int = 2 << 30,
-    progress: bool = True,
     data: str | None = None,
     engine_options: dict[str, Any] | None = None,
     storage_dtype: str = "auto",
     trainer_format: str = "speculators",
     compress: bool = False,
-) -> ExtractResult:
-    """Extract hidden states of ``conversations`` with ``llm`` (a `vllm.LLM`
-    started with ``hidden_states_config`` covering ``layers``) into ``output``
-    (this shard's directory). See the module docstring for the modes.
+) -> ExtractJob:
+    """Check the options, open ``output`` (new, or --resume) with its manifest,
+    plan the samples and find those already written.
 
     ``max_length`` defaults to the engine's ``max_model_len - 1``. ``resume``
     continues a run in ``output`` that was made with the same settings; without
-    it ``output`` must not hold a run. At most ``buffer_bytes`` of states are in
-    flight or waiting to be written. ``data`` and ``engine_options`` are only
+    it ``output`` must not hold a run. ``data`` and ``engine_options`` are only
     recorded in the manifest. ``storage_dtype`` (`vllm_hs.extract.storage`):
     "auto" (the model's dtype), "bfloat16", "float16" or "fp8".
     ``trainer_format`` (`vllm_hs.extract.trainers`): "speculators",
     "specforge" (``compress``: gzipped files) or "modelopt".
     """
-    output = Path(output)
-    model_config = llm.llm_engine.model_config
-    if tokenizer is None:
-        tokenizer = _load_tokenizer(model_config)
-    max_model_len = int(model_config.max_model_len)
+    max_model_len = facts.max_model_len
     if max_length is None:
         max_length = max_model_len - 1
     elif max_length > max_model_len - 1:
@@ -111,10 +252,9 @@ def extract(
             "the engine's --max-model-len or lower --max-length"
         )
     layers = list(layers)
-    hidden = int(model_config.get_hidden_size())
-    dtype = str(model_config.dtype).removeprefix("torch.")
+    hidden, dtype = facts.hidden_size, facts.dtype
     stored = stored_dtype(storage_dtype, dtype)
-    num_hidden_layers = int(model_config.hf_text_config.num_hidden_layers)
+    num_hidden_layers = facts.num_hidden_layers
     files = sample_files(trainer_format, compress)
     files.check_layers(layers, num_hidden_layers)
     if stored == FP8 and not files.stores_fp8:
@@ -124,8 +264,8 @@ def extract(
         )
     template = chat_template if chat_template is not None else tokenizer.chat_template
     manifest = Manifest(
-        model=str(model_config.model),
-        model_config_sha256=_model_fingerprint(model_config),
+        model=facts.model,
+        model_config_sha256=facts.fingerprint,
         data_sha256=data_sha256,
         chat_template_sha256=hashlib.sha256((template or "").encode()).hexdigest(),
         layers=layers,
@@ -150,7 +290,22 @@ def extract(
         trainer_format=files.name,
         compress=compress,
     )
+    row_bytes = len(layers) * hidden * _dtype_size(dtype)
+    loop = LoopSettings(
+        output=output,
+        layers=layers,
+        hidden_size=hidden,
+        stored_dtype=stored,
+        validate=validate,
+        trainer_format=files.name,
+        compress=compress,
+        max_length=max_length,
+        regenerate=manifest.regenerate,
+        chat_template=chat_template,
+        budget_tokens=max(1, buffer_bytes // row_bytes),
+    )
     result = ExtractResult(output=output, layers=layers)
+    job = ExtractJob(output, manifest, [], {}, None, loop, result)
     previous = open_output(output, manifest, resume)
     if previous is not None and previous.complete:
         logger.info("%s: already complete (%s samples)", output, previous.samples)
@@ -158,11 +313,11 @@ def extract(
         result.samples = previous.samples or 0
         result.tokens = previous.tokens or 0
         result.bytes = previous.bytes or 0
-        return result
+        return job
     if (output / COMPACTION).exists():
         # Interrupted while closing gaps at the very end: only renames were left.
         finish_compaction(output, manifest, result)
-        return result
+        return job
 
     samples, skipped = plan_samples(
         conversations,
@@ -181,26 +336,36 @@ def extract(
         logger.info(
             "resuming: %d of %d samples already written", len(rows), len(samples)
         )
-    todo = [s for s in samples if s.row not in rows]
+    job.samples, job.rows = samples, rows
+    job.todo = [s for s in samples if s.row not in rows]
+    return job
 
-    row_bytes = len(layers) * hidden * _dtype_size(dtype)
+
+def run_samples(
+    engine: Any,
+    tokenizer: Any,
+    loop: LoopSettings,
+    todo: list[Sample],
+    result: ExtractResult,
+    rows: dict[int, Row],
+    bar: Any = None,
+) -> None:
+    """Extract ``todo`` with ``engine`` (a `vllm.LLMEngine`): each sample is
+    written (its `Row` added to ``rows``, counted in ``result``) or skipped (in
+    ``result.skipped``); ``bar`` (a tqdm-like progress bar) advances per sample."""
     run = _Run(
-        llm.llm_engine,
+        engine,
         tokenizer,
         result,
         rows,
-        Writer(output, len(layers), hidden, validate, stored, files),
-        layers=layers,
-        max_length=max_length,
-        regenerate=manifest.regenerate,
-        chat_template=chat_template,
-        budget_tokens=max(1, buffer_bytes // row_bytes),
+        loop.writer(),
+        layers=loop.layers,
+        max_length=loop.max_length,
+        regenerate=loop.regenerate,
+        chat_template=loop.chat_template,
+        budget_tokens=loop.budget_tokens,
     )
-    started = time.perf_counter()
-    run.run(todo, _progress(len(todo), progress))
-    result.seconds = time.perf_counter() - started
-    finalize(output, samples, rows, manifest, result)
-    return result
+    run.run(todo, bar if bar is not None else NoBar())
 
 
 # ----------------------------------------------------------------------------
@@ -271,7 +436,7 @@ class _Run:
         self.outstanding_tokens = 0
         self.histories: dict[int, Conversation] = {}
         self.waiting: dict[int, Row] = {}
-        self.bar: Any = _NoBar()
+        self.bar: Any = NoBar()
         self.started = 0.0
         self._prompt_params: Any = None  # default mode: one SamplingParams for all
 
@@ -499,17 +664,9 @@ def _dtype_size(dtype: str) -> int:
     return {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 4)
 
 
-def _load_tokenizer(model_config: Any) -> Any:
-    from transformers import AutoTokenizer
+class NoBar:
+    """A progress bar that shows nothing."""
 
-    return AutoTokenizer.from_pretrained(
-        model_config.tokenizer,
-        revision=model_config.tokenizer_revision,
-        trust_remote_code=model_config.trust_remote_code,
-    )
-
-
-class _NoBar:
     def update(self, n: int = 1) -> None:
         pass
 
@@ -520,9 +677,10 @@ class _NoBar:
         pass
 
 
-def _progress(total: int, enabled: bool) -> Any:
+def progress_bar(total: int, enabled: bool) -> Any:
+    """The progress bar of ``total`` samples (tqdm), or `NoBar`."""
     if not enabled:
-        return _NoBar()
+        return NoBar()
     from tqdm import tqdm
 
     return tqdm(total=total, unit="sample", desc="extract", dynamic_ncols=True)
