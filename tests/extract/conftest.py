@@ -56,6 +56,7 @@ ENGINE_MODULES = (
     "test_extract_bf16.py",
     "test_extract_cli.py",
     "test_extract_engine.py",
+    "test_extract_ray.py",
 )
 
 

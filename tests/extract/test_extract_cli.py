@@ -64,6 +64,9 @@ def test_help_names_the_defaults(tmp_path: Path):
         "--format",
         "rows_{g}-{g+2000}/data_{i}.ckpt",
         "{conversation_id}.pt",
+        "--ray",
+        "--replicas",
+        "ray start --head",
     ):
         assert needle in text, needle
 
@@ -89,6 +92,7 @@ def test_malformed_jsonl_fails_before_anything_is_written(tmp_path: Path):
         (["--", "--seed", "1"], "pass --seed to vllm-hs extract, not after --"),
         (["--hidden-states-config", "{}"], "pass --layers to vllm-hs extract"),
         (["--merge", "--dtype", "float32"], "--merge starts no engine"),
+        (["--merge", "--ray"], "--merge starts no engine"),
         (
             ["--format", "specforge", "--layers", "1,2,3,4"],
             "--format specforge: the last of --layers must be final_norm",
@@ -97,6 +101,9 @@ def test_malformed_jsonl_fails_before_anything_is_written(tmp_path: Path):
             ["--format", "modelopt", "--compress"],
             "--compress is for --format specforge",
         ),
+        (["--replicas", "2"], "--replicas and --ray-batch-size need --ray"),
+        (["--ray", "--replicas", "0"], "--replicas must be at least 1"),
+        (["--ray", "--ray-batch-size", "0"], "--ray-batch-size must be at least 1"),
     ],
 )
 def test_bad_options_fail_before_the_engine_starts(
