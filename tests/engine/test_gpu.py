@@ -16,6 +16,7 @@ from vllm_hs.testing.harness import (
     greedy,
     run_cases,
     seeded_prompt,
+    tokens_prompt,
 )
 
 pytestmark = [
@@ -115,3 +116,66 @@ def test_generic_capture_with_cuda_graphs(name, runner):
             for i in range(3)
         ]
         run_cases(llm, cases, model_dir, "float32", f"[cuda {name}]", torch.bfloat16)
+
+
+def test_channel_under_the_ray_executor(runner):
+    """vLLM's Ray executor (`distributed_executor_backend="ray"`, a local Ray
+    cluster; tensor parallel over two GPUs where there are two): rows equal HF,
+    and requests aborted mid-flight leave nothing behind in the workers.
+
+    CUDA only: vLLM 0.32's CPU platform has no Ray device key (`ray_utils`
+    raises "current platform cpu does not support ray"; upstream issue #21602,
+    PR #25386 closed unmerged)."""
+    pytest.importorskip("ray")
+    from vllm_hs.testing import poll_until_empty
+    from vllm_hs.tiny_model import build_tiny_model
+
+    model_dir = str(build_tiny_model("llama", "float32"))
+    layers = [0, 2, -1, "final_norm"]
+    resolved = [0, 2, 4, "final_norm"]
+    tp = min(2, torch.cuda.device_count())
+    with engine(
+        model_dir,
+        "mp",
+        dtype="float32",
+        hidden_states_config={"layers": layers},
+        distributed_executor_backend="ray",
+        tensor_parallel_size=tp,
+        **CUDA_ENGINE,
+    ) as llm:
+        config = llm.llm_engine.vllm_config
+        assert config.parallel_config.distributed_executor_backend == "ray"
+        what = f"[cuda ray tp={tp} {runner}]"
+        cases = [
+            (seeded_prompt(420, 90), greedy(8, hidden_states={}), Expect(resolved)),
+            (seeded_prompt(421, 20), greedy(8), None),
+            (
+                seeded_prompt(422, 40),
+                greedy(6, hidden_states={"layers": [0], "prompt": False}),
+                Expect([0], prompt=False),
+            ),
+        ]
+        run_cases(llm, cases, model_dir, "float32", what, torch.bfloat16)
+        llm_engine = llm.llm_engine
+        ids = [f"ray-abort-{i}" for i in range(16)]
+        for i, req_id in enumerate(ids):
+            llm_engine.add_request(
+                req_id,
+                tokens_prompt(seeded_prompt(430 + i, 60)),
+                greedy(40, hidden_states={}),
+            )
+        for _ in range(4):
+            llm_engine.step()
+        llm_engine.abort_request(ids)
+        while llm_engine.has_unfinished_requests():
+            llm_engine.step()
+        assert not llm_engine.output_processor.request_states
+        held = poll_until_empty(
+            lambda: [
+                i for r in llm.collective_rpc("hidden_states_request_ids") for i in r
+            ]
+        )
+        assert held == [], f"{what} workers kept aborted requests"
+        run_cases(
+            llm, cases[:1], model_dir, "float32", f"{what} after aborts", torch.bfloat16
+        )

@@ -1,0 +1,200 @@
+"""`vllm-hs extract --ray` against the same extraction without Ray: throughput
+with 1 and 2 replicas, and what Ray adds per sample and per run.
+
+    python -m benchmarks.ray_extract [--model tiny|large] [--rounds 3]
+
+Each round runs the CLI as users do (a subprocess, vLLM's default multiprocess
+engine, the shipped conversations, a fresh output directory) three ways, in
+rotating order: without Ray (`plain`), `--ray --replicas 1` and `--ray
+--replicas 2` (a local Ray cluster started by the run). From each run's
+summary: the wall time of the whole command, the extraction's time (`wrote ...
+in S s`: for Ray from the pipeline's start, replica engine starts included)
+and, for Ray, each replica's busy time (its batches: engine loop and writes).
+
+Figures (median [min, max] over rounds):
+
+- `replicas2_over_replicas1`: tokens/s of the extraction, 2 replicas / 1. On a
+  2-core machine both engines share the cores: no gain is expected; the point
+  is that the path runs.
+- `busy_overhead_per_sample_s`: (replica busy time with 1 replica - the plain
+  run's loop time) / samples: what batching through Ray costs per sample once
+  the engine runs (a batch's tail drains before the next batch starts, batches
+  are pickled).
+- `fixed_overhead_s`: (wall with 1 replica - its busy time) - (plain wall -
+  plain loop time): what Ray adds once per run (the cluster, the actor, its
+  engine's start in another process).
+
+Writes benchmarks/results/v<vllm version>/ray_extract.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import (  # noqa: E402
+    Summary,
+    machine_facts,
+    now,
+    write_script_result,
+)
+from benchmarks.suites import MODELS  # noqa: E402
+
+SIDES: dict[str, list[str]] = {
+    "plain": [],
+    "replicas1": ["--ray", "--replicas", "1"],
+    "replicas2": ["--ray", "--replicas", "2"],
+}
+
+_WROTE = re.compile(r"^wrote (\d+) samples \((\d+) tokens\) in ([\d.]+) s", re.M)
+_REPLICA = re.compile(
+    r"^replica (\S+): (\d+) samples, (\d+) tokens in ([\d.]+) s", re.M
+)
+
+
+def _run(side: str, model_args: list[str], work: Path) -> dict[str, Any]:
+    out = work / side
+    command = [
+        sys.executable,
+        "-m",
+        "vllm_hs",
+        "extract",
+        "--output",
+        str(out),
+        "--no-progress",
+        *SIDES[side],
+        *model_args,
+    ]
+    started = time.perf_counter()
+    proc = subprocess.run(command, capture_output=True, text=True)
+    wall = time.perf_counter() - started
+    if proc.returncode != 0:
+        raise SystemExit(f"{side} failed:\n{proc.stderr[-3000:]}")
+    wrote = _WROTE.search(proc.stdout)
+    assert wrote, proc.stdout
+    replicas = [
+        {
+            "replica": m[1],
+            "samples": int(m[2]),
+            "tokens": int(m[3]),
+            "busy_s": float(m[4]),
+        }
+        for m in _REPLICA.finditer(proc.stdout)
+    ]
+    subprocess.run(["rm", "-rf", str(out)], check=True)
+    return {
+        "wall_s": wall,
+        "samples": int(wrote[1]),
+        "tokens": int(wrote[2]),
+        "extract_s": float(wrote[3]),
+        "tokens_per_s": int(wrote[2]) / float(wrote[3]),
+        "replicas": replicas,
+        "busy_s": sum(r["busy_s"] for r in replicas),
+    }
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="tiny", choices=sorted(MODELS))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    import vllm
+
+    from vllm_hs.tiny_model import build_tiny_model
+
+    t0 = time.perf_counter()
+    load_before = os.getloadavg()
+    model_args: list[str] = []
+    if args.model != "tiny":
+        model = build_tiny_model("llama", "float32", **MODELS[args.model])
+        model_args = [
+            "--model",
+            str(model),
+            "--dtype",
+            "float32",
+            "--enforce-eager",
+            "--kv-cache-memory-bytes",
+            str(1 << 30),
+        ]
+    work = Path(tempfile.mkdtemp(prefix="vllm-hs-ray-bench-"))
+    names = list(SIDES)
+    rounds: list[dict[str, Any]] = []
+    for r in range(args.rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        row: dict[str, Any] = {"round": r}
+        for side in order:
+            row[side] = _run(side, model_args, work)
+            print(f"round {r} {side}: {row[side]}", flush=True)
+        plain, one, two = row["plain"], row["replicas1"], row["replicas2"]
+        samples = plain["samples"]
+        row["replicas2_over_replicas1"] = two["tokens_per_s"] / one["tokens_per_s"]
+        row["busy_overhead_per_sample_s"] = (
+            one["busy_s"] - plain["extract_s"]
+        ) / samples
+        row["fixed_overhead_s"] = (one["wall_s"] - one["busy_s"]) - (
+            plain["wall_s"] - plain["extract_s"]
+        )
+        rounds.append(row)
+    ratio = _stats([r["replicas2_over_replicas1"] for r in rounds])
+    figures = {
+        key: _stats([r[key] for r in rounds])
+        for key in (
+            "replicas2_over_replicas1",
+            "busy_overhead_per_sample_s",
+            "fixed_overhead_s",
+        )
+    }
+    for side in names:
+        figures[f"{side}_wall_s"] = _stats([r[side]["wall_s"] for r in rounds])
+        figures[f"{side}_tokens_per_s"] = _stats(
+            [r[side]["tokens_per_s"] for r in rounds]
+        )
+    print(figures, flush=True)
+    result = {
+        "suite": "ray_extract" if args.model == "tiny" else f"ray_extract-{args.model}",
+        "description": __doc__.split("\n\n")[0],
+        "settings": {
+            "model": args.model,
+            "rounds": args.rounds,
+            "sides": SIDES,
+            "vllm": vllm.__version__,
+        },
+        "machine": machine_facts(),
+        "load_average": {"before": load_before, "after": os.getloadavg()},
+        "figures": figures,
+        "rounds": rounds,
+        "summary": Summary(
+            metric="extraction tokens/s with --ray --replicas 2 / --replicas 1 "
+            "(other figures in figures)",
+            higher_is_better=True,
+            aim=None,
+            **ratio,
+        ).__dict__,
+        "started": now(),
+        "seconds": time.perf_counter() - t0,
+    }
+    out = write_script_result(result, args.out)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
