@@ -1,0 +1,162 @@
+"""Hidden states with speculative decoding on (ngram drafts, Model Runner V1):
+rows of accepted tokens only, position-aligned as without speculation, checked
+against HF on the final sequence; greedy tokens equal HF's greedy tokens (the
+tokens without speculation); mixed batches with and without states, windows,
+the last row, stop tokens and max_tokens inside a step's accepted drafts, and
+preemption under speculation. One engine per mode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_hs.hf_reference import hf_greedy
+from vllm_hs.testing.harness import (
+    MODES,
+    Expect,
+    engine,
+    expected_model_runner,
+    greedy,
+    run_cases,
+    seeded_prompt,
+)
+
+LAYERS = [0, 2, -1, "final_norm"]
+RESOLVED = [0, 2, 4, "final_norm"]
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 3,
+}
+DTYPE = torch.float32
+
+
+def _metric(llm, name: str) -> float:
+    total = 0.0
+    found = False
+    for metric in llm.get_metrics():
+        if metric.name == name:
+            found = True
+            total += float(getattr(metric, "value", 0) or 0)
+    assert found, f"{name} not among the engine's metrics"
+    return total
+
+
+def _repetitive(seed: int, length: int, period: int) -> list[int]:
+    """A prompt that repeats a seeded phrase: ngram drafts find matches in it."""
+    phrase = seeded_prompt(seed, period)
+    return (phrase * (length // period + 1))[:length]
+
+
+@pytest.fixture(scope="module", params=MODES)
+def spec_engine(request, llama_fp32):
+    """ngram speculation (3 drafts), a KV cache of 640 tokens for up to 8
+    requests (preemptions under load), chunked prefill of 64 tokens."""
+    if expected_model_runner() != "v1":
+        pytest.skip("speculative decoding with states runs on Model Runner V1")
+    with engine(
+        llama_fp32,
+        request.param,
+        dtype="float32",
+        hidden_states_config={"layers": LAYERS},
+        speculative_config=NGRAM,
+        max_model_len=256,
+        block_size=32,
+        kv_cache_memory_bytes=640 * 2048,  # 2 KiB of KV per token in this model
+        max_num_batched_tokens=64,
+        max_num_seqs=8,
+        disable_log_stats=False,
+        enforce_eager=True,
+    ) as llm:
+        yield llm, request.param
+
+
+def test_rows_of_accepted_tokens_equal_hf(spec_engine, llama_fp32):
+    llm, mode = spec_engine
+    drafts_before = _metric(llm, "vllm:spec_decode_num_draft_tokens")
+    accepted_before = _metric(llm, "vllm:spec_decode_num_accepted_tokens")
+    windows = [[20, 30], [45, 70]]
+    cases = []
+    for i in range(8):
+        prompt = _repetitive(200 + i, 40 + 3 * i, 5 + i % 3)
+        max_tokens = (40, 7, 33, 40, 2, 40, 19, 40)[i]
+        hs, expect = {
+            0: ({}, Expect(RESOLVED)),
+            1: ({}, Expect(RESOLVED)),
+            2: (None, None),
+            3: ({"prompt": False}, Expect(RESOLVED, prompt=False)),
+            4: ({}, Expect(RESOLVED)),
+            5: ({"positions": windows}, Expect(RESOLVED, positions=windows)),
+            6: ({"positions": "last"}, Expect(RESOLVED, positions="last")),
+            7: ({"layers": ["final_norm", 0]}, Expect(["final_norm", 0])),
+        }[i]
+        cases.append((prompt, greedy(max_tokens, hidden_states=hs), expect))
+    outputs = run_cases(llm, cases, llama_fp32, DTYPE, f"[{mode}] spec")
+    for i, (out, (prompt, sp, _)) in enumerate(zip(outputs, cases, strict=True)):
+        assert list(out.outputs[0].token_ids) == hf_greedy(
+            llama_fp32, prompt, sp.max_tokens
+        ), f"[{mode}] request {i}: tokens differ from HF greedy"
+    drafts = _metric(llm, "vllm:spec_decode_num_draft_tokens") - drafts_before
+    accepted = _metric(llm, "vllm:spec_decode_num_accepted_tokens") - accepted_before
+    # Both paths ran: drafts accepted (several rows in a step) and rejected
+    # (rows dropped).
+    assert 0 < accepted < drafts, (accepted, drafts)
+
+
+def test_stop_token_inside_accepted_drafts(spec_engine, llama_fp32):
+    """A stop token among a step's accepted tokens: the tokens after it and
+    their rows are dropped; the rows end at the stop token's input."""
+    llm, mode = spec_engine
+    cases = []
+    for i in range(4):
+        prompt = _repetitive(300 + i, 48, 4 + i)
+        reference = hf_greedy(llama_fp32, prompt, 30)
+        k = next(j for j in range(6, 30) if reference[j] not in reference[:j])
+        sp = greedy(30, stop_token_ids=[reference[k]], hidden_states={})
+        cases.append((prompt, sp, Expect(RESOLVED)))
+    outputs = run_cases(llm, cases, llama_fp32, DTYPE, f"[{mode}] spec stop")
+    for out in outputs:
+        assert out.outputs[0].finish_reason == "stop"
+        assert out.outputs[0].hidden_states.shape[0] == len(out.outputs[0].token_ids) - 1
+
+
+def test_preemption_under_speculation(spec_engine, llama_fp32):
+    """Eight requests of 100 tokens in a 640-token KV cache: requests are
+    preempted and recomputed mid-speculation; no row duplicated or missing."""
+    llm, mode = spec_engine
+    before = _metric(llm, "vllm:num_preemptions")
+    cases = [
+        (
+            _repetitive(400 + i, 60, 6),
+            greedy(40, hidden_states={} if i % 2 == 0 else {"prompt": False}),
+            Expect(RESOLVED) if i % 2 == 0 else Expect(RESOLVED, prompt=False),
+        )
+        for i in range(8)
+    ]
+    run_cases(llm, cases, llama_fp32, DTYPE, f"[{mode}] spec preempt")
+    assert _metric(llm, "vllm:num_preemptions") > before, "no preemption forced"
+
+
+@pytest.mark.mrv2
+def test_speculative_methods_the_channel_refuses(llama_fp32):
+    """Draft models (they would read the target's aux states) are refused with
+    a clear error, and so is Model Runner V2 with any speculation."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    def config(spec: dict) -> None:
+        EngineArgs(
+            model=llama_fp32,
+            dtype="float32",
+            max_model_len=256,
+            hidden_states_config={"layers": LAYERS},
+            speculative_config=spec,
+        ).create_engine_config()
+
+    with pytest.raises(ValueError, match="not 'draft_model'"):
+        config({"model": llama_fp32, "num_speculative_tokens": 2})
+    if expected_model_runner() == "v2":
+        with pytest.raises(ValueError, match="needs the V1 model runner"):
+            config(NGRAM)
+    else:
+        config(NGRAM)
