@@ -37,6 +37,7 @@ QUICK = [
     "tests/v1/engine/test_parallel_sampling.py",
     "tests/v1/kv_connector/unit/test_hidden_states_connector.py",
     "tests/entrypoints/openai/completion/test_completion_error.py",
+    "tests/model_executor/test_triton_dispatcher.py",
 ]
 
 
