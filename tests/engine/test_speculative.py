@@ -117,8 +117,9 @@ def test_stop_token_inside_accepted_drafts(spec_engine, llama_fp32):
         cases.append((prompt, sp, Expect(RESOLVED)))
     outputs = run_cases(llm, cases, llama_fp32, DTYPE, f"[{mode}] spec stop")
     for out in outputs:
-        assert out.outputs[0].finish_reason == "stop"
-        assert out.outputs[0].hidden_states.shape[0] == len(out.outputs[0].token_ids) - 1
+        completion = out.outputs[0]
+        assert completion.finish_reason == "stop"
+        assert completion.hidden_states.shape[0] == len(completion.token_ids) - 1
 
 
 def test_preemption_under_speculation(spec_engine, llama_fp32):

@@ -24,6 +24,12 @@ from vllm_hs.testing.server import HS_CONFIG, ServerProcess  # noqa: E402
 # the layers `vllm-hs extract` writes for the tiny model, answered in
 # kv_transfer_params.
 ONLINE_CONFIG = {"layers": [1, 2, 3, 4], "respond_in_kv_transfer_params": True}
+#: The "spec" server: HS_CONFIG with ngram speculative decoding (Model Runner V1).
+SPEC_ARGS = (
+    "--speculative-config",
+    '{"method": "ngram", "num_speculative_tokens": 3, '
+    '"prompt_lookup_min": 1, "prompt_lookup_max": 3}',
+)
 from vllm_hs.tiny_model import build_tiny_model  # noqa: E402
 
 
@@ -76,14 +82,19 @@ class _Servers:
     def launch(self, name: str) -> ServerProcess:
         server = self.servers.get(name)
         if server is None:
-            config = {"hs": HS_CONFIG, "online": ONLINE_CONFIG}.get(name)
+            config = {
+                "hs": HS_CONFIG,
+                "online": ONLINE_CONFIG,
+                "spec": HS_CONFIG,
+            }.get(name)
             # The worker probe answers the dev-mode /collective_rpc route.
             probe = ["--worker-extension-cls", "vllm_hs.testing.ChannelStateProbe"]
+            extra = {"hs": probe, "spec": SPEC_ARGS}.get(name, ())
             server = ServerProcess(
                 self.model_dir,
                 self.log_dir / f"vllm-serve-{name}.log",
                 config,
-                extra_args=probe if name == "hs" else (),
+                extra_args=extra,
             )
             self.servers[name] = server.start()
         return server
@@ -138,6 +149,12 @@ def plain_server(_servers: _Servers) -> ServerProcess:
 def online_server(_servers: _Servers) -> ServerProcess:
     """The same model served with ONLINE_CONFIG."""
     return _servers.launch("online").wait_ready()
+
+
+@pytest.fixture(scope="session")
+def spec_server(_servers: _Servers) -> ServerProcess:
+    """The hs server's model and config with ngram speculative decoding."""
+    return _servers.launch("spec").wait_ready()
 
 
 @pytest.fixture(scope="session")
