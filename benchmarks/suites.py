@@ -300,6 +300,82 @@ def capture(settings: Settings) -> SuiteResult:
     )
 
 
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 3,
+}
+
+
+def speculative(settings: Settings) -> SuiteResult:
+    """Generation under ngram speculative decoding (Model Runner V1) with
+    4-layer prompt and output states against without, batches alternating on
+    one patched engine; prompts end with 128 tokens of the model's own greedy
+    continuation, so that drafts are found and accepted where it repeats
+    itself. Records each batch's draft and accepted tokens: the acceptance rate
+    must not change with states on (greedy, the same tokens)."""
+    t0 = time.perf_counter()
+    path, sizes = model_dir(settings)
+    vocab = sizes.get("vocab_size", 1024)
+    layers = _four_layers(sizes)
+    engine = engine_kwargs(settings, layers)
+    engine["speculative_config"] = NGRAM
+    engine["disable_log_stats"] = False
+    spec = _spec(
+        settings,
+        path,
+        vocab,
+        rounds=settings.rounds,
+        variants={"plain": None, "states": {"prompt": True, "output": True}},
+        engine=engine,
+        self_continue=128,
+        spec_metrics=True,
+        env={"VLLM_USE_V2_MODEL_RUNNER": "0"},
+    )
+    out = run_workload(sys.executable, spec)["timings"]
+    rounds = []
+    for r, (a, b) in enumerate(zip(out["plain"], out["states"], strict=True)):
+        acceptance = [
+            side["accepted_tokens"] / side["draft_tokens"]
+            if side["draft_tokens"]
+            else 0.0
+            for side in (a, b)
+        ]
+        rounds.append(
+            {
+                "round": r,
+                "A": a,
+                "B": b,
+                "ratio": b["tokens_per_s"] / a["tokens_per_s"],
+                "acceptance_without": acceptance[0],
+                "acceptance_with": acceptance[1],
+            }
+        )
+        print(
+            f"  round {r}: ratio {rounds[-1]['ratio']:.4f}, acceptance "
+            f"{acceptance[0]:.3f} without / {acceptance[1]:.3f} with states",
+            flush=True,
+        )
+    summary = summarize(
+        [r["ratio"] for r in rounds],
+        f"throughput with states ({len(layers)} layers, prompt+output) / without, "
+        "ngram speculation on (acceptance per side in rounds)",
+        True,
+        0.97,
+    )
+    return _result(
+        "speculative",
+        speculative.__doc__.split("\n\n")[0].replace("\n    ", " "),
+        settings,
+        rounds,
+        summary,
+        t0,
+        memory={"without states": out["plain"], "with states": out["states"]},
+        speculative_config=NGRAM,
+    )
+
+
 TRANSPORT_MIN_ROUNDS = 21
 """transport's figure is the difference of two noisy wall times: it takes at
 least this many rounds (batches alternate within one engine: cheap), and runs
@@ -806,6 +882,7 @@ SUITES = {
     "capture": capture,
     "transport": transport,
     "probe": probe,
+    "speculative": speculative,
     "native": native,
     "native_omp_all": native_omp_all,
     "native_default": native_default,

@@ -10,7 +10,10 @@ mode ("mp" or "inproc"), memcpy_mib (0 to skip), ipc_hop (bytes: time one
 ZeroMQ IPC hop of that many bytes, one frame per prompt), peak_rss
 (false: no memory sampling), warmup ("full" batch, the default, or "short"),
 write_dir and native (write each request's states to disk; see
-write_outputs). Each timing records per-process peak memory (PeakRss); the
+write_outputs), prompt_period (prompts repeat a random phrase of this many
+tokens), self_continue (prompts end with the model's own greedy continuation
+of this many tokens) and spec_metrics (record each batch's speculative draft
+and accepted tokens). Each timing records per-process peak memory (PeakRss); the
 result records the engine's effective settings and CPU threads (engine_facts).
 """
 
@@ -327,6 +330,20 @@ def _locked(path: str) -> bool:
         os.close(fd)
 
 
+def _spec_counts(llm: Any) -> tuple[float, float]:
+    """(draft tokens, accepted tokens) proposed so far (speculative decoding;
+    needs the engine's stats: disable_log_stats=False)."""
+    counts = {"vllm:spec_decode_num_draft_tokens": 0.0}
+    counts["vllm:spec_decode_num_accepted_tokens"] = 0.0
+    for metric in llm.get_metrics():
+        if metric.name in counts:
+            counts[metric.name] += float(getattr(metric, "value", 0) or 0)
+    return (
+        counts["vllm:spec_decode_num_draft_tokens"],
+        counts["vllm:spec_decode_num_accepted_tokens"],
+    )
+
+
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = (
         "0" if spec["mode"] == "inproc" else "1"
@@ -337,13 +354,16 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm.inputs import TokensPrompt
 
     g = torch.Generator().manual_seed(0)
+    period = spec.get("prompt_period") or spec["prompt_len"]
+
+    def prompt_ids() -> list[int]:
+        # A random phrase of `period` tokens, repeated to prompt_len (ngram
+        # speculation finds its drafts in repeated text).
+        phrase = torch.randint(8, spec["vocab"], (period,), generator=g).tolist()
+        return (phrase * (spec["prompt_len"] // period + 1))[: spec["prompt_len"]]
+
     prompts = [
-        TokensPrompt(
-            prompt_token_ids=torch.randint(
-                8, spec["vocab"], (spec["prompt_len"],), generator=g
-            ).tolist()
-        )
-        for _ in range(spec["prompts"])
+        TokensPrompt(prompt_token_ids=prompt_ids()) for _ in range(spec["prompts"])
     ]
 
     def params(hidden_states: Any) -> Any:
@@ -365,6 +385,22 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     start_s = time.perf_counter() - t0
     facts = engine_facts(llm)
     variants = spec["variants"]
+    if spec.get("self_continue"):
+        # Prompts end with the model's own greedy continuation (the last
+        # self_continue tokens): where a model repeats itself, so does what it
+        # generates next, and ngram drafts are accepted.
+        k = int(spec["self_continue"])
+        heads = [p["prompt_token_ids"][: spec["prompt_len"] - k] for p in prompts]
+        cont = SamplingParams(
+            temperature=0.0, max_tokens=k, ignore_eos=True, detokenize=False
+        )
+        outs = llm.generate(
+            [TokensPrompt(prompt_token_ids=h) for h in heads], cont, use_tqdm=False
+        )
+        prompts = [
+            TokensPrompt(prompt_token_ids=h + list(o.outputs[0].token_ids))
+            for h, o in zip(heads, outs, strict=True)
+        ]
     # Warm-up with the full batch: the first batch of a new size pays one-off
     # costs (kernel selection, buffers) that no measured round should carry.
     warm = prompts if spec.get("warmup", "full") == "full" else prompts[:2]
@@ -380,6 +416,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             # The sampler's thread costs the frontend's core a little CPU; a
             # figure that needs no memory can run without it (peak_rss false).
             rss = PeakRss() if spec.get("peak_rss", True) else None
+            drafts = _spec_counts(llm) if spec.get("spec_metrics") else None
             with rss or contextlib.nullcontext():
                 t0 = time.perf_counter()
                 outs = llm.generate(prompts, params(variants[name]), use_tqdm=False)
@@ -408,6 +445,10 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                     **(rss.fields() if rss else {}),
                 }
             )
+            if drafts is not None:
+                after = _spec_counts(llm)
+                timings[name][-1]["draft_tokens"] = after[0] - drafts[0]
+                timings[name][-1]["accepted_tokens"] = after[1] - drafts[1]
             del outs
     result = {"start_s": start_s, "timings": timings, "engine": facts}
     llm.llm_engine.engine_core.shutdown()
