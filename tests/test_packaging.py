@@ -102,3 +102,13 @@ def test_help_imports_neither_torch_nor_vllm() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == "[]", result.stdout
+
+
+def test_test_module_basenames_are_unique() -> None:
+    """tests/ has no __init__.py files: pytest imports test modules by
+    basename, and two with the same name fail the whole collection (CI exit
+    2), which a run of one directory never shows."""
+    seen: dict[str, Path] = {}
+    for path in sorted((REPO / "tests").rglob("test_*.py")):
+        other = seen.setdefault(path.name, path)
+        assert other == path, f"{path} and {other} share a basename"
