@@ -17,8 +17,8 @@ from vllm_hs.testing.harness import (
     engine,
     expected_model_runner,
     greedy,
+    repeated_prompt,
     run_cases,
-    seeded_prompt,
 )
 
 LAYERS = [0, 2, -1, "final_norm"]
@@ -41,12 +41,6 @@ def _metric(llm, name: str) -> float:
             total += float(getattr(metric, "value", 0) or 0)
     assert found, f"{name} not among the engine's metrics"
     return total
-
-
-def _repetitive(seed: int, length: int, period: int) -> list[int]:
-    """A prompt that repeats a seeded phrase: ngram drafts find matches in it."""
-    phrase = seeded_prompt(seed, period)
-    return (phrase * (length // period + 1))[:length]
 
 
 @pytest.fixture(scope="module", params=MODES)
@@ -79,7 +73,7 @@ def test_rows_of_accepted_tokens_equal_hf(spec_engine, llama_fp32):
     windows = [[20, 30], [45, 70]]
     cases = []
     for i in range(8):
-        prompt = _repetitive(200 + i, 40 + 3 * i, 5 + i % 3)
+        prompt = repeated_prompt(200 + i, 40 + 3 * i, 5 + i % 3)
         max_tokens = (40, 7, 33, 40, 2, 40, 19, 40)[i]
         hs, expect = {
             0: ({}, Expect(RESOLVED)),
@@ -110,7 +104,7 @@ def test_stop_token_inside_accepted_drafts(spec_engine, llama_fp32):
     llm, mode = spec_engine
     cases = []
     for i in range(4):
-        prompt = _repetitive(300 + i, 48, 4 + i)
+        prompt = repeated_prompt(300 + i, 48, 4 + i)
         reference = hf_greedy(llama_fp32, prompt, 30)
         k = next(j for j in range(6, 30) if reference[j] not in reference[:j])
         sp = greedy(30, stop_token_ids=[reference[k]], hidden_states={})
@@ -129,7 +123,7 @@ def test_preemption_under_speculation(spec_engine, llama_fp32):
     before = _metric(llm, "vllm:num_preemptions")
     cases = [
         (
-            _repetitive(400 + i, 60, 6),
+            repeated_prompt(400 + i, 60, 6),
             greedy(40, hidden_states={} if i % 2 == 0 else {"prompt": False}),
             Expect(RESOLVED) if i % 2 == 0 else Expect(RESOLVED, prompt=False),
         )

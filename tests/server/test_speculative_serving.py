@@ -10,13 +10,8 @@ from typing import Any
 import pytest
 
 from vllm_hs.hf_reference import hf_greedy
-from vllm_hs.testing.harness import seeded_prompt
+from vllm_hs.testing.harness import repeated_prompt
 from vllm_hs.testing.server import Want, check, collect_response, collect_stream
-
-
-def _repetitive(seed: int, length: int, period: int) -> list[int]:
-    phrase = seeded_prompt(seed, period)
-    return (phrase * (length // period + 1))[:length]
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +33,7 @@ def test_rows_under_speculation(spec_server, spec_oai: Any, model_dir):
         for i, (hs, want) in enumerate(cases):
             # The model's own greedy continuation ends the prompt: where the
             # tiny model loops, ngram drafts are accepted.
-            base = _repetitive(500 + i + 10 * stream, 24, 5 + i)
+            base = repeated_prompt(500 + i + 10 * stream, 24, 5 + i)
             prompt = base + hf_greedy(model_dir, base, 40)
             response = spec_oai.completions.create(
                 model=model_dir,

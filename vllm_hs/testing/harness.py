@@ -179,6 +179,13 @@ def seeded_prompt(seed: int, length: int, vocab: int = 1024, low: int = 8) -> li
     return torch.randint(low, vocab, (length,), generator=g).tolist()
 
 
+def repeated_prompt(seed: int, length: int, period: int) -> list[int]:
+    """A seeded phrase of `period` tokens repeated to `length`: text in which
+    ngram speculation finds drafts."""
+    phrase = seeded_prompt(seed, period)
+    return (phrase * (length // period + 1))[:length]
+
+
 @dataclass
 class Expect:
     """What a request asked for, resolved to the layer ids of its columns."""
