@@ -146,9 +146,11 @@ def test_a_killed_replica_is_restarted_and_its_batch_redone(
     stdout = (tmp_path / "stdout").read_text()
     assert proc.returncode == 0, (tmp_path / "stderr").read_text()[-3000:]
     assert f"wrote {NUM} samples" in stdout
+    # The kill hit a replica while it worked (Ray reports the death), and the
+    # samples it had done but not yet reported were redone elsewhere: which
+    # replicas report, and how many, depends on timing.
+    assert "A worker died or was killed" in (tmp_path / "stderr").read_text()
     replicas = _replica_lines(stdout)
+    assert replicas, stdout
     assert sum(n for _, n in replicas) == NUM
-    # The two replicas and the one that replaced the killed one (unless that
-    # one was killed before it reported a batch).
-    assert len(replicas) in (2, 3), stdout
     _assert_same_dataset(tmp_path / DEFAULT_OUTPUT, clean)
