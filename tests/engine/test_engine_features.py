@@ -9,17 +9,11 @@ from vllm_hs.testing.harness import (
     MODES,
     Expect,
     engine,
+    engine_metric,
     greedy,
     run_cases,
     seeded_prompt,
 )
-
-
-def _num_preemptions(llm) -> float:
-    for metric in llm.get_metrics():
-        if metric.name == "vllm:num_preemptions":
-            return float(metric.value)
-    raise AssertionError("vllm:num_preemptions metric not found")
 
 
 @pytest.mark.mrv2
@@ -57,7 +51,8 @@ def test_preemption_and_recompute(mode, llama_fp32):
                 (seeded_prompt(100 + i, 40), greedy(40, hidden_states=hs), expect)
             )
         outputs = run_cases(llm, cases, llama_fp32, torch.float32, f"[{mode}] req")
-        assert _num_preemptions(llm) > 0, "the test did not force a preemption"
+        preemptions = engine_metric(llm, "vllm:num_preemptions")
+        assert preemptions > 0, "the test did not force a preemption"
         assert all(len(out.outputs[0].token_ids) == 40 for out in outputs)
 
 

@@ -15,6 +15,7 @@ from vllm_hs.testing.harness import (
     MODES,
     Expect,
     engine,
+    engine_metric,
     expected_model_runner,
     greedy,
     repeated_prompt,
@@ -30,17 +31,6 @@ NGRAM = {
     "prompt_lookup_max": 3,
 }
 DTYPE = torch.float32
-
-
-def _metric(llm, name: str) -> float:
-    total = 0.0
-    found = False
-    for metric in llm.get_metrics():
-        if metric.name == name:
-            found = True
-            total += float(getattr(metric, "value", 0) or 0)
-    assert found, f"{name} not among the engine's metrics"
-    return total
 
 
 @pytest.fixture(scope="module", params=MODES)
@@ -68,8 +58,10 @@ def spec_engine(request, llama_fp32):
 
 def test_rows_of_accepted_tokens_equal_hf(spec_engine, llama_fp32):
     llm, mode = spec_engine
-    drafts_before = _metric(llm, "vllm:spec_decode_num_draft_tokens")
-    accepted_before = _metric(llm, "vllm:spec_decode_num_accepted_tokens")
+    draft_metric = "vllm:spec_decode_num_draft_tokens"
+    accepted_metric = "vllm:spec_decode_num_accepted_tokens"
+    drafts_before = engine_metric(llm, draft_metric)
+    accepted_before = engine_metric(llm, accepted_metric)
     windows = [[20, 30], [45, 70]]
     cases = []
     for i in range(8):
@@ -91,8 +83,8 @@ def test_rows_of_accepted_tokens_equal_hf(spec_engine, llama_fp32):
         assert list(out.outputs[0].token_ids) == hf_greedy(
             llama_fp32, prompt, sp.max_tokens
         ), f"[{mode}] request {i}: tokens differ from HF greedy"
-    drafts = _metric(llm, "vllm:spec_decode_num_draft_tokens") - drafts_before
-    accepted = _metric(llm, "vllm:spec_decode_num_accepted_tokens") - accepted_before
+    drafts = engine_metric(llm, draft_metric) - drafts_before
+    accepted = engine_metric(llm, accepted_metric) - accepted_before
     # Both paths ran: drafts accepted (several rows in a step) and rejected
     # (rows dropped).
     assert 0 < accepted < drafts, (accepted, drafts)
@@ -120,7 +112,7 @@ def test_preemption_under_speculation(spec_engine, llama_fp32):
     """Eight requests of 100 tokens in a 640-token KV cache: requests are
     preempted and recomputed mid-speculation; no row duplicated or missing."""
     llm, mode = spec_engine
-    before = _metric(llm, "vllm:num_preemptions")
+    before = engine_metric(llm, "vllm:num_preemptions")
     cases = [
         (
             repeated_prompt(400 + i, 60, 6),
@@ -130,7 +122,7 @@ def test_preemption_under_speculation(spec_engine, llama_fp32):
         for i in range(8)
     ]
     run_cases(llm, cases, llama_fp32, DTYPE, f"[{mode}] spec preempt")
-    assert _metric(llm, "vllm:num_preemptions") > before, "no preemption forced"
+    assert engine_metric(llm, "vllm:num_preemptions") > before, "no preemption forced"
 
 
 @pytest.mark.mrv2

@@ -179,6 +179,19 @@ def seeded_prompt(seed: int, length: int, vocab: int = 1024, low: int = 8) -> li
     return torch.randint(low, vocab, (length,), generator=g).tolist()
 
 
+def engine_metric(llm: Any, name: str) -> float:
+    """A metric of `llm` summed over its label sets (the engine needs
+    `disable_log_stats=False`); fails when the engine does not report it."""
+    values = [
+        float(getattr(metric, "value", 0) or 0)
+        for metric in llm.get_metrics()
+        if metric.name == name
+    ]
+    if not values:
+        raise AssertionError(f"{name} not among the engine's metrics")
+    return sum(values)
+
+
 def repeated_prompt(seed: int, length: int, period: int) -> list[int]:
     """A seeded phrase of `period` tokens repeated to `length`: text in which
     ngram speculation finds drafts."""
