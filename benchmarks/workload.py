@@ -10,8 +10,7 @@ mode ("mp" or "inproc"), memcpy_mib (0 to skip), ipc_hop (bytes: time one
 ZeroMQ IPC hop of that many bytes, one frame per prompt), peak_rss
 (false: no memory sampling), warmup ("full" batch, the default, or "short"),
 write_dir and native (write each request's states to disk; see
-write_outputs), prompt_period (prompts repeat a random phrase of this many
-tokens), self_continue (prompts end with the model's own greedy continuation
+write_outputs), self_continue (prompts end with the model's own greedy continuation
 of this many tokens) and spec_metrics (record each batch's speculative draft
 and accepted tokens). Each timing records per-process peak memory (PeakRss); the
 result records the engine's effective settings and CPU threads (engine_facts).
@@ -333,8 +332,10 @@ def _locked(path: str) -> bool:
 def _spec_counts(llm: Any) -> tuple[float, float]:
     """(draft tokens, accepted tokens) proposed so far (speculative decoding;
     needs the engine's stats: disable_log_stats=False)."""
-    counts = {"vllm:spec_decode_num_draft_tokens": 0.0}
-    counts["vllm:spec_decode_num_accepted_tokens"] = 0.0
+    counts = {
+        "vllm:spec_decode_num_draft_tokens": 0.0,
+        "vllm:spec_decode_num_accepted_tokens": 0.0,
+    }
     for metric in llm.get_metrics():
         if metric.name in counts:
             counts[metric.name] += float(getattr(metric, "value", 0) or 0)
@@ -354,16 +355,13 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm.inputs import TokensPrompt
 
     g = torch.Generator().manual_seed(0)
-    period = spec.get("prompt_period") or spec["prompt_len"]
-
-    def prompt_ids() -> list[int]:
-        # A random phrase of `period` tokens, repeated to prompt_len (ngram
-        # speculation finds its drafts in repeated text).
-        phrase = torch.randint(8, spec["vocab"], (period,), generator=g).tolist()
-        return (phrase * (spec["prompt_len"] // period + 1))[: spec["prompt_len"]]
-
     prompts = [
-        TokensPrompt(prompt_token_ids=prompt_ids()) for _ in range(spec["prompts"])
+        TokensPrompt(
+            prompt_token_ids=torch.randint(
+                8, spec["vocab"], (spec["prompt_len"],), generator=g
+            ).tolist()
+        )
+        for _ in range(spec["prompts"])
     ]
 
     def params(hidden_states: Any) -> Any:
