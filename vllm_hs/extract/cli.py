@@ -30,6 +30,7 @@ from vllm_hs.extract.inputs import (
     shipped_conversations_path,
 )
 from vllm_hs.extract.layers import parse_layers
+from vllm_hs.extract.on_ray import check_ray_options
 from vllm_hs.extract.runner import extract
 from vllm_hs.extract.storage import STORAGE_CHOICES
 from vllm_hs.extract.trainers import FORMATS, sample_files
@@ -488,10 +489,7 @@ def run(args: argparse.Namespace) -> int:
         raise VllmHsError("--max-new-tokens must be positive")
     if args.ray is None and (args.replicas != 1 or args.ray_batch_size is not None):
         raise VllmHsError("--replicas and --ray-batch-size need --ray")
-    if args.replicas < 1:
-        raise VllmHsError("--replicas must be at least 1")
-    if args.ray_batch_size is not None and args.ray_batch_size < 1:
-        raise VllmHsError("--ray-batch-size must be at least 1")
+    check_ray_options(args.replicas, args.ray_batch_size)
     started = time.perf_counter()
 
     # Cheap checks first: data and layers fail before an engine starts.

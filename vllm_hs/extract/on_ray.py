@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from vllm_hs.errors import VllmHsError, import_extra
+from vllm_hs.errors import VllmHsError, import_extra, import_patched_vllm
 from vllm_hs.extract.format import ExtractResult, Row, Skip
 from vllm_hs.extract.inputs import Conversation, Sample
 from vllm_hs.extract.runner import (
@@ -51,7 +51,13 @@ from vllm_hs.extract.runner import (
     run_samples,
 )
 
-__all__ = ["BatchReport", "ReplicaStats", "extract_on_ray", "start_ray"]
+__all__ = [
+    "BatchReport",
+    "ReplicaStats",
+    "check_ray_options",
+    "extract_on_ray",
+    "start_ray",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -105,8 +111,6 @@ class Replica:
         facts: ModelFacts,
         loop: LoopSettings,
     ) -> None:
-        from vllm_hs.errors import import_patched_vllm
-
         llm_class = import_patched_vllm().LLM
         self.llm = llm_class(
             model=model,
@@ -148,6 +152,14 @@ class Replica:
             seconds=time.perf_counter() - started,
         )
         return {"report": [pickle.dumps(report)]}
+
+
+def check_ray_options(replicas: int, batch_size: int | None) -> None:
+    """Raise VllmHsError for a replica count or batch size that cannot run."""
+    if replicas < 1:
+        raise VllmHsError("--replicas must be at least 1")
+    if batch_size is not None and batch_size < 1:
+        raise VllmHsError("--ray-batch-size must be at least 1")
 
 
 def start_ray(address: str | None, num_cpus: int | None = None) -> Any:
@@ -200,10 +212,7 @@ def extract_on_ray(
     ``options``: those of `vllm_hs.extract.runner.prepare`. Returns the result
     and what each replica did (keyed by host:pid).
     """
-    if replicas < 1:
-        raise VllmHsError("--replicas must be at least 1")
-    if batch_size is not None and batch_size < 1:
-        raise VllmHsError("--ray-batch-size must be at least 1")
+    check_ray_options(replicas, batch_size)
     facts = _model_facts(model, layers, engine_kwargs)
     tokenizer = facts.load_tokenizer()
     job = prepare(

@@ -193,7 +193,6 @@ class ExtractJob:
     preparing), ``rows`` what is already written (row -> `Row`), and `finish`
     to call once ``todo`` is done."""
 
-    output: Path
     manifest: Manifest
     samples: list[Sample]
     rows: dict[int, Row]
@@ -203,7 +202,7 @@ class ExtractJob:
 
     def finish(self) -> None:
         """Close gaps, write the dataset and the complete manifest."""
-        finalize(self.output, self.samples, self.rows, self.manifest, self.result)
+        finalize(self.loop.output, self.samples, self.rows, self.manifest, self.result)
 
 
 def prepare(
@@ -305,7 +304,7 @@ def prepare(
         budget_tokens=max(1, buffer_bytes // row_bytes),
     )
     result = ExtractResult(output=output, layers=layers)
-    job = ExtractJob(output, manifest, [], {}, None, loop, result)
+    job = ExtractJob(manifest, [], {}, None, loop, result)
     previous = open_output(output, manifest, resume)
     if previous is not None and previous.complete:
         logger.info("%s: already complete (%s samples)", output, previous.samples)
