@@ -315,23 +315,80 @@ def speculative(settings: Settings) -> SuiteResult:
     continuation, so that drafts are found and accepted where it repeats
     itself. Records each batch's draft and accepted tokens: the acceptance rate
     must not change with states on (greedy, the same tokens)."""
-    t0 = time.perf_counter()
     path, sizes = model_dir(settings)
-    vocab = sizes.get("vocab_size", 1024)
-    layers = _four_layers(sizes)
-    engine = engine_kwargs(settings, layers)
-    engine["speculative_config"] = NGRAM
+    return _speculation(
+        "speculative",
+        speculative.__doc__,
+        settings,
+        path,
+        sizes,
+        NGRAM,
+        engine_kwargs(settings, _four_layers(sizes)),
+        self_continue=128,
+    )
+
+
+def eagle3(settings: Settings) -> SuiteResult:
+    """Generation under EAGLE-3 speculative decoding (Model Runner V1, tiny
+    model in float32) with 4-layer prompt and output states against without,
+    batches alternating on one patched engine. The draft reads the target's
+    layers 1, 2, 3 and the channel 1, 2, 3, 4 (one capture serves both); it is
+    the tiny draft trained on the target's continuations of the 32 prompts
+    used here (`vllm_hs.testing.eagle3_draft`), so drafts are accepted.
+    Records each batch's draft and accepted tokens: the acceptance rate must
+    not change with states on."""
+    if settings.model != "tiny":
+        raise ValueError(
+            "the eagle3 suite runs on --model tiny: its draft is trained for "
+            f"the tiny model, not {settings.model!r}"
+        )
+    from vllm_hs.testing.eagle3_draft import build_eagle3_draft, training_prompts
+
+    path, sizes = model_dir(settings)
+    draft = build_eagle3_draft(path)
+    prompts = training_prompts(settings.prompts)
+    engine = engine_kwargs(settings, _four_layers(sizes))
+    engine["dtype"] = "float32"
+    engine["max_model_len"] = len(prompts[0]) + settings.max_tokens + 16
+    config = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3}
+    return _speculation(
+        "eagle3",
+        eagle3.__doc__,
+        settings,
+        path,
+        sizes,
+        config,
+        engine,
+        prompt_ids=prompts,
+        prompt_len=len(prompts[0]),
+    )
+
+
+def _speculation(
+    name: str,
+    doc: str | None,
+    settings: Settings,
+    path: str,
+    sizes: dict[str, int],
+    speculative_config: dict[str, Any],
+    engine: dict[str, Any],
+    **spec_overrides: Any,
+) -> SuiteResult:
+    """Throughput with 4-layer states / without under `speculative_config`,
+    and the acceptance rate of each side, per round."""
+    t0 = time.perf_counter()
+    engine["speculative_config"] = speculative_config
     engine["disable_log_stats"] = False
     spec = _spec(
         settings,
         path,
-        vocab,
+        sizes.get("vocab_size", 1024),
         rounds=settings.rounds,
         variants={"plain": None, "states": {"prompt": True, "output": True}},
         engine=engine,
-        self_continue=128,
         spec_metrics=True,
         env={"VLLM_USE_V2_MODEL_RUNNER": "0"},
+        **spec_overrides,
     )
     out = run_workload(sys.executable, spec)["timings"]
     rounds = []
@@ -357,22 +414,23 @@ def speculative(settings: Settings) -> SuiteResult:
             f"{acceptance[0]:.3f} without / {acceptance[1]:.3f} with states",
             flush=True,
         )
+    method = speculative_config["method"]
     summary = summarize(
         [r["ratio"] for r in rounds],
-        f"throughput with states ({len(layers)} layers, prompt+output) / without, "
-        "ngram speculation on (acceptance per side in rounds)",
+        f"throughput with states ({len(_four_layers(sizes))} layers, prompt+output) "
+        f"/ without, {method} speculation on (acceptance per side in rounds)",
         True,
         0.97,
     )
     return _result(
-        "speculative",
-        speculative.__doc__.split("\n\n")[0].replace("\n    ", " "),
+        name,
+        (doc or "").split("\n\n")[0].replace("\n    ", " "),
         settings,
         rounds,
         summary,
         t0,
         memory={"without states": out["plain"], "with states": out["states"]},
-        speculative_config=NGRAM,
+        speculative_config=speculative_config,
     )
 
 
@@ -883,6 +941,7 @@ SUITES = {
     "transport": transport,
     "probe": probe,
     "speculative": speculative,
+    "eagle3": eagle3,
     "native": native,
     "native_omp_all": native_omp_all,
     "native_default": native_default,

@@ -11,7 +11,8 @@ ZeroMQ IPC hop of that many bytes, one frame per prompt), peak_rss
 (false: no memory sampling), warmup ("full" batch, the default, or "short"),
 write_dir and native (write each request's states to disk; see
 write_outputs), self_continue (prompts end with the model's own greedy continuation
-of this many tokens) and spec_metrics (record each batch's speculative draft
+of this many tokens), prompt_ids (these prompts, lists of token ids, instead of
+seeded random ones) and spec_metrics (record each batch's speculative draft
 and accepted tokens). Each timing records per-process peak memory (PeakRss); the
 result records the engine's effective settings and CPU threads (engine_facts).
 """
@@ -363,6 +364,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         )
         for _ in range(spec["prompts"])
     ]
+    if spec.get("prompt_ids"):
+        prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in spec["prompt_ids"]]
 
     def params(hidden_states: Any) -> Any:
         kwargs = {} if hidden_states is None else {"hidden_states": hidden_states}
