@@ -1,4 +1,4 @@
-"""Hidden states with EAGLE-3 speculative decoding (Model Runner V1): the
+"""Hidden states with EAGLE-3 speculative decoding (both model runners): the
 drafter reads the target's aux layers 1, 2, 3 and the channel captures 0, 2,
 4 and the final norm, so the model emits the union (layer 2 once). Rows are
 checked against HF on the final sequence; greedy tokens equal HF's; and the
@@ -22,7 +22,6 @@ from vllm_hs.testing.harness import (
     Expect,
     engine,
     engine_metric,
-    expected_model_runner,
     greedy,
     run_cases,
     tokens_prompt,
@@ -36,6 +35,8 @@ SPEC_METRICS = (
     "vllm:spec_decode_num_draft_tokens",
     "vllm:spec_decode_num_accepted_tokens",
 )
+pytestmark = pytest.mark.mrv2
+
 ENGINE_ARGS = {
     "dtype": "float32",
     "max_model_len": 256,
@@ -82,16 +83,16 @@ def _spec_counts(llm) -> list[float]:
 
 
 def _one_at_a_time(llm, hidden_states: dict | None) -> tuple[list, list[float]]:
-    """Tokens of `training_prompts(8)` sent one request at a time, and the
+    """Tokens of `training_prompts(4)` sent one request at a time, and the
     draft counts they add: batches of one, whatever the engine mode (how
     requests reach the engine core decides how they are batched, and a batch
     of another shape may round a near-tie of the draft differently)."""
     before = _spec_counts(llm)
     tokens = []
-    for prompt in training_prompts(8):
+    for prompt in training_prompts(4):
         (out,) = llm.generate(
             [tokens_prompt(prompt)],
-            greedy(40, hidden_states=hidden_states),
+            greedy(32, hidden_states=hidden_states),
             use_tqdm=False,
         )
         tokens.append(list(out.outputs[0].token_ids))
@@ -102,8 +103,6 @@ def _one_at_a_time(llm, hidden_states: dict | None) -> tuple[list, list[float]]:
 @pytest.fixture(scope="module")
 def without_channel(llama_fp32, eagle3_draft):
     """`_one_at_a_time` on an engine without hidden_states_config."""
-    if expected_model_runner() != "v1":
-        pytest.skip("speculative decoding with states runs on Model Runner V1")
     with engine(
         llama_fp32, "inproc", speculative_config=_spec(eagle3_draft), **ENGINE_ARGS
     ) as llm:
@@ -115,8 +114,6 @@ def eagle3_engine(request, llama_fp32, eagle3_draft, without_channel):
     """The engine with the channel; it starts once the in-process engine
     without it has closed (two in-process engines share the process's
     parallel groups)."""
-    if expected_model_runner() != "v1":
-        pytest.skip("speculative decoding with states runs on Model Runner V1")
     with engine(
         llama_fp32,
         request.param,
@@ -174,21 +171,22 @@ def test_stop_token_inside_accepted_drafts(eagle3_engine, llama_fp32):
         assert completion.hidden_states.shape[0] == len(completion.token_ids) - 1
 
 
-@pytest.mark.mrv2
 def test_eagle3_heads_without_aux_states_are_refused(
     llama_fp32, eagle3_draft, tmp_path: Path
 ):
     """An EAGLE-3 head that reads the target's last hidden state instead of
     aux states (``eagle_config.use_aux_hidden_state: false``) is refused at
-    config time; so is EAGLE-3 on Model Runner V2."""
+    config time, on either model runner; speculation with pipeline parallelism
+    too."""
     from vllm.engine.arg_utils import EngineArgs
 
-    def config(draft: str) -> None:
+    def config(draft: str, **kwargs) -> None:
         EngineArgs(
             model=llama_fp32,
             hidden_states_config={"layers": LAYERS},
             speculative_config=_spec(draft),
             **ENGINE_ARGS,
+            **kwargs,
         ).create_engine_config()
 
     # The HF-format checkpoint such heads ship as (speculators' format has no
@@ -204,10 +202,8 @@ def test_eagle3_heads_without_aux_states_are_refused(
         "eagle_config": {"use_aux_hidden_state": False},
     }
     (head / "config.json").write_text(json.dumps(hf_config))
-    if expected_model_runner() == "v2":
-        with pytest.raises(ValueError, match="needs the V1 model runner"):
-            config(eagle3_draft)
-        return
     with pytest.raises(ValueError, match="use_aux_hidden_state is false"):
         config(str(head))
     config(eagle3_draft)
+    with pytest.raises(ValueError, match="does not support pipeline parallelism"):
+        config(eagle3_draft, pipeline_parallel_size=2)

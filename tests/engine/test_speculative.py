@@ -127,8 +127,9 @@ def test_preemption_under_speculation(spec_engine, llama_fp32):
 
 @pytest.mark.mrv2
 def test_speculative_methods_the_channel_refuses(llama_fp32):
-    """Draft models (they would read the target's aux states) are refused with
-    a clear error, and so is Model Runner V2 with any speculation."""
+    """Draft models are refused with a clear error, and so is ngram on Model
+    Runner V2 (untested there: its kernels do not run under Triton's
+    interpreter)."""
     from vllm.engine.arg_utils import EngineArgs
 
     def config(spec: dict) -> None:
