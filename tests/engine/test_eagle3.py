@@ -5,7 +5,8 @@ checked against HF on the final sequence; greedy tokens equal HF's; and the
 draft proposes and gets accepted exactly what it does on an engine without
 the channel (same requests, same batch). The draft is a tiny one trained on
 the target's continuations of `training_prompts()` (`vllm_hs.testing.
-eagle3_draft`), so drafts are both accepted and rejected there."""
+eagle3_draft`), so drafts are both accepted and rejected there. The KV
+cache is small enough that the mixed batch is preempted."""
 
 from __future__ import annotations
 
@@ -40,6 +41,11 @@ pytestmark = pytest.mark.mrv2
 ENGINE_ARGS = {
     "dtype": "float32",
     "max_model_len": 256,
+    # 384 tokens of KV (2 KiB per token in the target, 512 B in the draft) in
+    # blocks of 32: the mixed batch of `_cases()` needs 16 blocks, so requests
+    # are preempted and recomputed mid-speculation.
+    "block_size": 32,
+    "kv_cache_memory_bytes": 384 * 2560,
     "max_num_batched_tokens": 64,
     "max_num_seqs": 8,
     "disable_log_stats": False,
@@ -125,8 +131,10 @@ def eagle3_engine(request, llama_fp32, eagle3_draft, without_channel):
 
 
 def test_rows_of_a_mixed_batch_equal_hf(eagle3_engine, llama_fp32):
+    """Also under preemption: no row duplicated or missing."""
     llm, mode = eagle3_engine
     before = _spec_counts(llm)
+    preemptions = engine_metric(llm, "vllm:num_preemptions")
     cases = _cases()
     outputs = run_cases(llm, cases, llama_fp32, DTYPE, f"[{mode}] eagle3")
     for i, (out, (prompt, sp, _)) in enumerate(zip(outputs, cases, strict=True)):
@@ -138,6 +146,7 @@ def test_rows_of_a_mixed_batch_equal_hf(eagle3_engine, llama_fp32):
     )
     # Drafts accepted (several rows in a step) and rejected (rows dropped).
     assert 0 < accepted < draft_tokens, (accepted, draft_tokens)
+    assert engine_metric(llm, "vllm:num_preemptions") > preemptions
 
 
 def test_the_channel_leaves_the_draft_unchanged(eagle3_engine, without_channel):
