@@ -179,3 +179,47 @@ def test_channel_under_the_ray_executor(runner):
         run_cases(
             llm, cases[:1], model_dir, "float32", f"{what} after aborts", torch.bfloat16
         )
+
+
+def test_eagle3_speculation_on_cuda(runner):
+    """EAGLE-3 speculation with states (the tiny draft of
+    `vllm_hs.testing.eagle3_draft`), async scheduling and CUDA graphs: rows of
+    accepted tokens equal HF on the final sequence, in a batch mixing requests
+    with and without states; drafts both accepted and rejected."""
+    from vllm_hs.testing.eagle3_draft import build_eagle3_draft, training_prompts
+    from vllm_hs.testing.harness import engine_metric
+    from vllm_hs.tiny_model import build_tiny_model
+
+    model_dir = str(build_tiny_model("llama", "float32"))
+    draft = str(build_eagle3_draft(model_dir))
+    resolved = [0, 2, 4, "final_norm"]
+    with engine(
+        model_dir,
+        "mp",
+        dtype="float32",
+        hidden_states_config={"layers": [0, 2, -1, "final_norm"]},
+        speculative_config={
+            "method": "eagle3",
+            "model": draft,
+            "num_speculative_tokens": 3,
+        },
+        disable_log_stats=False,
+        **CUDA_ENGINE,
+    ) as llm:
+        config = llm.llm_engine.vllm_config
+        assert config.use_v2_model_runner == (runner == "v2")
+        assert config.compilation_config.cudagraph_mode != 0
+        cases = [
+            (
+                prompt,
+                greedy(40, hidden_states={} if i % 3 else None),
+                Expect(resolved) if i % 3 else None,
+            )
+            for i, prompt in enumerate(training_prompts(8))
+        ]
+        run_cases(
+            llm, cases, model_dir, "float32", f"[cuda {runner} eagle3]", torch.bfloat16
+        )
+        drafts = engine_metric(llm, "vllm:spec_decode_num_draft_tokens")
+        accepted = engine_metric(llm, "vllm:spec_decode_num_accepted_tokens")
+        assert 0 < accepted < drafts, (accepted, drafts)
