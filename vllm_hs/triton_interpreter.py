@@ -74,7 +74,43 @@ def register() -> bool:
             return False
 
     backends["cpu"] = Backend(compiler=InterpreterCompiler, driver=InterpreterDriver)
+    _bool_masks()
     return True
+
+
+def _bool_masks() -> None:
+    """Give Triton's interpreter boolean mask data wherever the mask's type is
+    boolean.
+
+    The interpreter can carry a mask typed int1 whose numpy data is int32
+    (MRV2's ngram kernel `_ngram_finalize_kernel`: ``slot_valid = (k_iota <
+    tokens_avail) & write_ok & k_in_range``), and its C++ load/store then fail
+    with "mask has unsupported dtype"; compiled Triton sees an int1 mask and
+    runs. Casting the data to bool is what the type says it is, and changes
+    nothing for masks that already are bool. Triton 3.9.0's interpreter bug,
+    not vLLM's."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder, "_vllm_hs_bool_masks", False):
+        return
+    load, store = builder.create_masked_load, builder.create_masked_store
+
+    def as_bool(mask):
+        if mask.data.dtype == np.bool_:
+            return mask
+        return interpreter.TensorHandle(mask.data.astype(np.bool_), mask.dtype)
+
+    def create_masked_load(self, ptrs, mask, other, cache_policy, is_volatile):
+        return load(self, ptrs, as_bool(mask), other, cache_policy, is_volatile)
+
+    def create_masked_store(self, ptrs, value, mask, cache_policy):
+        return store(self, ptrs, value, as_bool(mask), cache_policy)
+
+    builder.create_masked_load = create_masked_load
+    builder.create_masked_store = create_masked_store
+    builder._vllm_hs_bool_masks = True
 
 
 def install_pth(site_packages: str | None = None) -> Path:

@@ -23,6 +23,7 @@ from vllm_hs.testing.harness import (
     Expect,
     engine,
     engine_metric,
+    expected_model_runner,
     greedy,
     run_cases,
     tokens_prompt,
@@ -37,6 +38,9 @@ SPEC_METRICS = (
     "vllm:spec_decode_num_accepted_tokens",
 )
 pytestmark = pytest.mark.mrv2
+# Model Runner V2 (through Triton's interpreter) in-process only: the rows'
+# transport is that of every V2 engine, tested in both modes by test_channel.py.
+SPEC_MODES = MODES if expected_model_runner() == "v1" else ("inproc",)
 
 ENGINE_ARGS = {
     "dtype": "float32",
@@ -115,7 +119,7 @@ def without_channel(llama_fp32, eagle3_draft):
         return _one_at_a_time(llm, None)
 
 
-@pytest.fixture(scope="module", params=MODES)
+@pytest.fixture(scope="module", params=SPEC_MODES)
 def eagle3_engine(request, llama_fp32, eagle3_draft, without_channel):
     """The engine with the channel; it starts once the in-process engine
     without it has closed (two in-process engines share the process's

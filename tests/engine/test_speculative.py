@@ -1,4 +1,4 @@
-"""Hidden states with speculative decoding on (ngram drafts, Model Runner V1):
+"""Hidden states with speculative decoding on (ngram drafts, both model runners):
 rows of accepted tokens only, position-aligned as without speculation, checked
 against HF on the final sequence; greedy tokens equal HF's greedy tokens (the
 tokens without speculation); mixed batches with and without states, windows,
@@ -32,13 +32,16 @@ NGRAM = {
 }
 DTYPE = torch.float32
 
+pytestmark = pytest.mark.mrv2
+# Model Runner V2 (through Triton's interpreter) in-process only: the rows'
+# transport is that of every V2 engine, tested in both modes by test_channel.py.
+SPEC_MODES = MODES if expected_model_runner() == "v1" else ("inproc",)
 
-@pytest.fixture(scope="module", params=MODES)
+
+@pytest.fixture(scope="module", params=SPEC_MODES)
 def spec_engine(request, llama_fp32):
     """ngram speculation (3 drafts), a KV cache of 640 tokens for up to 8
     requests (preemptions under load), chunked prefill of 64 tokens."""
-    if expected_model_runner() != "v1":
-        pytest.skip("speculative decoding with states runs on Model Runner V1")
     with engine(
         llama_fp32,
         request.param,
@@ -125,11 +128,8 @@ def test_preemption_under_speculation(spec_engine, llama_fp32):
     assert engine_metric(llm, "vllm:num_preemptions") > before, "no preemption forced"
 
 
-@pytest.mark.mrv2
 def test_speculative_methods_the_channel_refuses(llama_fp32):
-    """Draft models are refused with a clear error, and so is ngram on Model
-    Runner V2 (untested there: its kernels do not run under Triton's
-    interpreter)."""
+    """Draft models are refused with a clear error."""
     from vllm.engine.arg_utils import EngineArgs
 
     def config(spec: dict) -> None:
@@ -143,8 +143,4 @@ def test_speculative_methods_the_channel_refuses(llama_fp32):
 
     with pytest.raises(ValueError, match="not 'draft_model'"):
         config({"model": llama_fp32, "num_speculative_tokens": 2})
-    if expected_model_runner() == "v2":
-        with pytest.raises(ValueError, match="needs the V1 model runner"):
-            config(NGRAM)
-    else:
-        config(NGRAM)
+    config(NGRAM)
