@@ -19,13 +19,13 @@ import torch
 from vllm_hs.hf_reference import hf_greedy
 from vllm_hs.testing.eagle3_draft import build_eagle3_draft, training_prompts
 from vllm_hs.testing.harness import (
-    MODES,
     Expect,
+    check_stop_inside_drafts,
     engine,
     engine_metric,
-    expected_model_runner,
     greedy,
     run_cases,
+    speculation_modes,
     tokens_prompt,
 )
 
@@ -38,9 +38,6 @@ SPEC_METRICS = (
     "vllm:spec_decode_num_accepted_tokens",
 )
 pytestmark = pytest.mark.mrv2
-# Model Runner V2 (through Triton's interpreter) in-process only: the rows'
-# transport is that of every V2 engine, tested in both modes by test_channel.py.
-SPEC_MODES = MODES if expected_model_runner() == "v1" else ("inproc",)
 
 ENGINE_ARGS = {
     "dtype": "float32",
@@ -119,7 +116,7 @@ def without_channel(llama_fp32, eagle3_draft):
         return _one_at_a_time(llm, None)
 
 
-@pytest.fixture(scope="module", params=SPEC_MODES)
+@pytest.fixture(scope="module", params=speculation_modes())
 def eagle3_engine(request, llama_fp32, eagle3_draft, without_channel):
     """The engine with the channel; it starts once the in-process engine
     without it has closed (two in-process engines share the process's
@@ -171,17 +168,10 @@ def test_the_channel_leaves_the_draft_unchanged(eagle3_engine, without_channel):
 
 def test_stop_token_inside_accepted_drafts(eagle3_engine, llama_fp32):
     llm, mode = eagle3_engine
-    cases = []
-    for prompt in training_prompts(12)[8:]:
-        reference = hf_greedy(llama_fp32, prompt, 30)
-        k = next(j for j in range(6, 30) if reference[j] not in reference[:j])
-        sp = greedy(30, stop_token_ids=[reference[k]], hidden_states={})
-        cases.append((prompt, sp, Expect(RESOLVED)))
-    outputs = run_cases(llm, cases, llama_fp32, DTYPE, f"[{mode}] eagle3 stop")
-    for out in outputs:
-        completion = out.outputs[0]
-        assert completion.finish_reason == "stop"
-        assert completion.hidden_states.shape[0] == len(completion.token_ids) - 1
+    prompts = training_prompts(12)[8:]
+    check_stop_inside_drafts(
+        llm, llama_fp32, prompts, RESOLVED, f"[{mode}] eagle3 stop"
+    )
 
 
 def test_eagle3_heads_without_aux_states_are_refused(

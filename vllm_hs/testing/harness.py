@@ -112,6 +112,14 @@ def expected_model_runner() -> str:
     return "v2" if torch.cuda.is_available() else "v1"
 
 
+def speculation_modes() -> tuple[str, ...]:
+    """Engine modes of the speculative-decoding tests: both on Model Runner V1;
+    on V2 (through Triton's interpreter, slow) in-process only, since the
+    rows' transport is that of every V2 engine, tested in both modes by
+    tests/engine/test_channel.py."""
+    return MODES if expected_model_runner() == "v1" else ("inproc",)
+
+
 def check_model_runner(llm: Any) -> None:
     """Fail unless every worker of `llm` runs the runner this test session is
     for: a worker process that silently fell back to the other runner would
@@ -359,3 +367,30 @@ def run_cases(
         assert list(out.prompt_token_ids) == list(prompt)
         check_output(out, model_dir, expect, dtype, f"{label} {i}", tolerance_dtype)
     return outputs
+
+
+def check_stop_inside_drafts(
+    llm: Any,
+    model_dir: str,
+    prompts: Sequence[Sequence[int]],
+    layers: list[int | str],
+    label: str,
+) -> None:
+    """A stop token among a step's accepted drafts: for each prompt, stop at
+    the first greedy token (from position 6) not seen before it in HF's
+    greedy continuation; the tokens after it and their rows are dropped, so
+    the rows, checked against HF, end at the stop token's input. `layers`:
+    the engine's resolved layer ids."""
+    from vllm_hs.hf_reference import hf_greedy
+
+    cases = []
+    for prompt in prompts:
+        reference = hf_greedy(model_dir, prompt, 30)
+        k = next(j for j in range(6, 30) if reference[j] not in reference[:j])
+        sp = greedy(30, stop_token_ids=[reference[k]], hidden_states={})
+        cases.append((list(prompt), sp, Expect(layers)))
+    outputs = run_cases(llm, cases, model_dir, torch.float32, label)
+    for out in outputs:
+        completion = out.outputs[0]
+        assert completion.finish_reason == "stop"
+        assert completion.hidden_states.shape[0] == len(completion.token_ids) - 1
