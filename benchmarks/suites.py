@@ -444,7 +444,7 @@ time (noise made it as fast as plain, or faster): 100x memcpy, a cap that keeps
 the figure finite and ordered."""
 
 
-def transport(settings: Settings) -> list[SuiteResult]:
+def transport(settings: Settings, output_arena: bool = True) -> list[SuiteResult]:
     """Prefill only, every layer (0..L) of every prompt token, against the same
     batch without states, on one multiprocess engine, alternating batch by
     batch. Two figures from the same rounds:
@@ -461,6 +461,10 @@ def transport(settings: Settings) -> list[SuiteResult]:
       engine core, engine core to frontend); each round also records the
       extra time beyond two hops.
     - heavy_payload: throughput with all L+1 layers requested / without states.
+
+    `transport_socket` runs the same with the shared-memory output arena off
+    (`output_arena_bytes=0`): rows from the engine core to the frontend through
+    the output socket, as before patch 0020.
     """
     t0 = time.perf_counter()
     settings = dataclasses.replace(
@@ -477,7 +481,7 @@ def transport(settings: Settings) -> list[SuiteResult]:
         rounds=settings.rounds,
         max_tokens=1,
         variants={"plain": None, "states": {"prompt": True, "output": False}},
-        engine=engine_kwargs(settings, layers),
+        engine=_with_output_arena(engine_kwargs(settings, layers), output_arena),
         memcpy_mib=512,
         # The states of one batch: every layer of every prompt token.
         ipc_hop=settings.prompts
@@ -525,8 +529,9 @@ def transport(settings: Settings) -> list[SuiteResult]:
             flush=True,
         )
     what = f"all {len(layers)} layers, prefill"
+    suffix = "" if output_arena else "_socket"
     transport_result = _result(
-        "transport",
+        "transport" + suffix,
         (transport.__doc__ or "") + f"\n\nA round where the states side was not "
         f"slower counts as {TRANSPORT_CAP:g} (the cap).",
         settings,
@@ -545,7 +550,7 @@ def transport(settings: Settings) -> list[SuiteResult]:
         memcpy_bytes_per_s=bandwidth,
     )
     heavy = _result(
-        "heavy_payload",
+        "heavy_payload" + suffix,
         "throughput (tokens/s) of prefill with every layer's states of every prompt "
         "token against the same batch without states; same rounds as transport",
         settings,
@@ -929,6 +934,16 @@ def native_omp_all(settings: Settings) -> SuiteResult:
     return _native(settings, "native_omp_all")
 
 
+def _with_output_arena(engine: dict[str, Any], on: bool) -> dict[str, Any]:
+    if not on:
+        engine["hidden_states_config"]["output_arena_bytes"] = 0
+    return engine
+
+
+def transport_socket(settings: Settings) -> list[SuiteResult]:
+    return transport(settings, output_arena=False)
+
+
 def native_default(settings: Settings) -> SuiteResult:
     return _native(settings, "native_default")
 
@@ -939,6 +954,7 @@ SUITES = {
     "overhead_config": overhead_config,
     "capture": capture,
     "transport": transport,
+    "transport_socket": transport_socket,
     "probe": probe,
     "speculative": speculative,
     "eagle3": eagle3,
