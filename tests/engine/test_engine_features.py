@@ -150,27 +150,34 @@ def _in_output_arena(llm, rows: torch.Tensor) -> bool:
     return base <= rows.untyped_storage().data_ptr() < base + len(arena._mmap)
 
 
-def test_output_arena_rows_held_reused_and_overflowed(llama_fp32):
-    """Multiprocess engine, 1 MiB output arena, prompts of 180 KiB of rows in
-    one step each: rows come as views of the arena; while the caller holds
-    them the arena fills and further rows take the socket; rows held are never
-    overwritten; once dropped, their space serves new rows. Every row against
-    HF, the held ones again after the next batches."""
+def test_rows_through_shared_memory_held_reused_and_overflowed(llama_fp32):
+    """Multiprocess engine, 4 MiB output arena, prompts of 1.2 MiB of rows in
+    one step each. Worker to engine core: rows of 1 MiB or more go through the
+    worker's shared-memory step buffers. Engine core to frontend: rows come as
+    views of the output arena; while the caller holds them the arena fills and
+    further rows take the socket; rows held are never overwritten; once
+    dropped, their space serves new rows. Every row against HF, the held ones
+    again after the next batches."""
     layers = [0, 1, 2, 3, 4, "final_norm"]  # 3 KiB of rows per token
     hs = {"output": False}
     with engine(
         llama_fp32,
         "mp",
         dtype="float32",
-        hidden_states_config={"layers": layers, "output_arena_bytes": 1 << 20},
-        max_num_batched_tokens=512,
+        hidden_states_config={"layers": layers, "output_arena_bytes": 4 << 20},
+        max_num_batched_tokens=2048,
         max_num_seqs=8,
     ) as llm:
+        assert llm.collective_rpc("hidden_states_row_pool") == ["SharedRowsPool"]
         expect = Expect(layers, output=False)
 
         def batch(first_seed: int, count: int) -> list:
             cases = [
-                (seeded_prompt(first_seed + i, 60), greedy(2, hidden_states=hs), expect)
+                (
+                    seeded_prompt(first_seed + i, 400),
+                    greedy(2, hidden_states=hs),
+                    expect,
+                )
                 for i in range(count)
             ]
             return run_cases(llm, cases, llama_fp32, torch.float32, f"{first_seed}+")
@@ -178,13 +185,13 @@ def test_output_arena_rows_held_reused_and_overflowed(llama_fp32):
         def arena_rows(outputs: list) -> list[bool]:
             return [_in_output_arena(llm, out.prompt_hidden_states) for out in outputs]
 
-        held = batch(300, 8)  # 1.4 MiB in one step: five fit
-        assert sum(arena_rows(held)) == 5
-        overflow = batch(310, 4)  # the arena is full of held rows
-        assert arena_rows(overflow) == [False] * 4
+        held = batch(300, 5)  # 6 MiB in one step: three fit
+        assert sum(arena_rows(held)) == 3
+        overflow = batch(310, 2)  # the arena is full of held rows
+        assert arena_rows(overflow) == [False] * 2
         for i, out in enumerate(held):
             check_output(out, llama_fp32, expect, torch.float32, f"held {i}")
         del held, overflow, out
         gc.collect()
-        reused = batch(320, 5)
-        assert arena_rows(reused) == [True] * 5
+        reused = batch(320, 3)
+        assert arena_rows(reused) == [True] * 3

@@ -149,6 +149,14 @@ class ChannelStateProbe:
         capturer = getattr(self.model_runner, "hidden_states_capturer", None)
         return [] if capturer is None else sorted(capturer.request_ids)
 
+    def hidden_states_row_pool(self) -> str:
+        """The capturer's step-buffer pool: "SharedRowsPool" (shared memory,
+        a worker process on the engine core's host), "HostRowsPool" or
+        "none"."""
+        capturer = getattr(self.model_runner, "hidden_states_capturer", None)
+        pool = getattr(capturer, "_host_pool", None)
+        return "none" if pool is None else type(pool).__name__
+
 
 def poll_until_empty(
     fetch: Callable[[], list[str]], timeout: float = 10.0
