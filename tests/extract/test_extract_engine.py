@@ -311,6 +311,28 @@ def test_resume_finishes_an_interrupted_run(
     assert again.already_complete and again.written == 0
 
 
+def test_a_dead_writers_temp_file_is_not_left_in_the_dataset(
+    llm, conversations, reference, tmp_path, run_extract, file_digests, monkeypatch
+):
+    """A writer killed mid-write while the run goes on (a Ray replica: Ray Data
+    restarts it and another replica redoes its batch) leaves its temporary file;
+    the completed dataset must not hold it."""
+    from vllm_hs.extract import runner
+
+    real_run_samples = runner.run_samples
+    leftover = f".hs_3.safetensors.{2**22 + 1}-140049679984320.tmp"
+
+    def run_samples_while_a_peer_dies(engine, tokenizer, loop, *args, **kwargs):
+        real_run_samples(engine, tokenizer, loop, *args, **kwargs)
+        (loop.output / HS_DIR / leftover).write_bytes(b"partial")
+
+    monkeypatch.setattr(runner, "run_samples", run_samples_while_a_peer_dies)
+    out = tmp_path / "out"
+    run_extract(llm, conversations, out)
+    assert not list(out.rglob(".*"))
+    assert file_digests(out) == file_digests(reference)
+
+
 def test_long_and_empty_conversations_are_skipped_and_reported(
     llm, conversations, tmp_path, run_extract, tokenizer
 ):

@@ -89,8 +89,14 @@ def finalize(
     manifest: Manifest,
     result: ExtractResult,
 ) -> None:
-    """Close gaps (samples dropped after planning), then write the Arrow dataset,
-    the skip report and the manifest (last: it marks the run complete)."""
+    """Remove what writers that died mid-write left, close gaps (samples dropped
+    after planning), then write the Arrow dataset, the skip report and the
+    manifest (last: it marks the run complete).
+
+    Every writer of the run has finished when this runs; a temporary file left
+    now is a dead writer's (a Ray replica killed in the middle of a write, whose
+    batch another replica redid)."""
+    remove_temp_files(output)
     done = sorted(rows)
     files = _files(manifest)
     index_of = {s.row: s.index for s in samples}
