@@ -1,0 +1,213 @@
+"""Per-step cost of a decode step's hidden-state rows across vLLM's two
+process boundaries, without an engine.
+
+A decode step with output states has one row per request. The script builds
+such a step (one buffer, each request's rows a view of it, as the capturer
+makes them) and times, per step:
+
+* worker -> engine core, as `MessageQueue` pickles a worker's output
+  (vLLM's `_reduce_tensor` for tensors) and the engine core unpickles it:
+  ``per_tensor`` is a plain dict, every request's rows a tensor of its own
+  (how rows crossed before patch 0022); ``packed`` is the `StepChunks` the
+  capturer returns since 0022 (small rows as one tensor);
+* engine core -> frontend, vLLM's msgpack encoder and decoder on the
+  `EngineCoreOutputs` of that step (one tensor per request): ``outputs``.
+  Not changed by 0022; the cost it leaves per request.
+
+Each timing repeats its call for at least ``--min-time`` seconds (garbage
+collection off, as timeit does); rounds alternate the variants. Reported
+per case: microseconds per step (median [min, max] over rounds) and
+packed / per_tensor. Needs the patched wheel (0022). Writes
+``benchmarks/results/<vllm release>/step_rows.json``.
+
+    python -m benchmarks.step_rows [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copyreg
+import gc
+import io
+import pickle
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import (  # noqa: E402
+    installed_versions,
+    machine_facts,
+    now,
+    write_script_result,
+)
+
+# (requests in the step, layers, hidden size, dtype): the tiny bench model's
+# rows, and an 8B model's (Llama-3.1-8B: hidden 4096, bf16).
+CASES = [
+    (32, 4, 128, "float32"),
+    (256, 4, 128, "float32"),
+    (32, 4, 4096, "bfloat16"),
+    (256, 4, 4096, "bfloat16"),
+]
+HEADLINE = (256, 4096)  # (requests, hidden) of the summary's case
+
+
+def _pickle_round_trip(chunks: Any) -> Callable[[], Any]:
+    """Pickle as `MessageQueue.enqueue` does, unpickle as `dequeue` does."""
+    import torch
+    from vllm.distributed.device_communicators.shm_broadcast import _reduce_tensor
+
+    dispatch = {**copyreg.dispatch_table, torch.Tensor: _reduce_tensor}
+
+    def run() -> Any:
+        buffers: list[Any] = []
+        with io.BytesIO() as bio:
+            pickler = pickle.Pickler(
+                bio, protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=buffers.append
+            )
+            pickler.dispatch_table = dispatch
+            pickler.dump(chunks)
+            payload = bio.getvalue()
+        return pickle.loads(payload, buffers=buffers)
+
+    return run
+
+
+def _outputs_round_trip(chunks: dict[str, Any]) -> Callable[[], Any]:
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    outputs = EngineCoreOutputs(
+        outputs=[
+            EngineCoreOutput(request_id=req_id, new_token_ids=[1], hidden_states=rows)
+            for req_id, (_, rows) in chunks.items()
+        ]
+    )
+    encoder, decoder = MsgpackEncoder(), MsgpackDecoder(EngineCoreOutputs)
+
+    def run() -> Any:
+        return decoder.decode([bytes(f) for f in encoder.encode(outputs)])
+
+    return run
+
+
+def _time(fn: Callable[[], Any], min_time: float) -> float:
+    """Mean seconds per call, repeating for at least `min_time`, gc off."""
+    fn()
+    gc.collect()
+    gc.disable()
+    try:
+        calls, start = 0, time.perf_counter()
+        while True:
+            fn()
+            calls += 1
+            elapsed = time.perf_counter() - start
+            if elapsed >= min_time:
+                return elapsed / calls
+    finally:
+        gc.enable()
+
+
+def _step(requests: int, layers: int, hidden: int, dtype: str) -> dict[str, Any]:
+    import torch
+
+    stacked = torch.randn(requests, layers, hidden).to(getattr(torch, dtype))
+    return {
+        f"req-{i}": (100 + i, rows) for i, rows in enumerate(torch.split(stacked, 1))
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--min-time", type=float, default=0.2)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+
+    import torch
+    from vllm.v1.hidden_states.step_chunks import StepChunks
+
+    torch.set_num_threads(1)
+    cases = []
+    for requests, layers, hidden, dtype in CASES:
+        chunks = _step(requests, layers, hidden, dtype)
+        variants = {
+            "per_tensor": _pickle_round_trip(dict(chunks)),
+            "packed": _pickle_round_trip(StepChunks(chunks)),
+            "outputs": _outputs_round_trip(chunks),
+        }
+        # The packed step arrives equal.
+        received = variants["packed"]()
+        assert all(torch.equal(received[k][1], rows) for k, (_, rows) in chunks.items())
+        rounds: list[dict[str, float]] = []
+        names = list(variants)
+        for r in range(args.rounds):
+            order = names[r % len(names) :] + names[: r % len(names)]
+            timing = {name: _time(variants[name], args.min_time) for name in order}
+            timing["ratio"] = timing["packed"] / timing["per_tensor"]
+            rounds.append(timing)
+
+        def stat(key: str, scale: float, rounds=rounds) -> dict[str, float]:
+            values = [t[key] * scale for t in rounds]
+            return {
+                "median": statistics.median(values),
+                "min": min(values),
+                "max": max(values),
+            }
+
+        case = {
+            "requests": requests,
+            "layers": layers,
+            "hidden": hidden,
+            "dtype": dtype,
+            "row_bytes": layers * hidden * getattr(torch, dtype).itemsize,
+            "us_per_step": {name: stat(name, 1e6) for name in names},
+            "packed_over_per_tensor": stat("ratio", 1.0),
+            "rounds": rounds,
+        }
+        cases.append(case)
+        us = case["us_per_step"]
+        print(
+            f"{requests:4d} requests x {layers}x{hidden} {dtype:8s} worker->engine "
+            f"core per_tensor {us['per_tensor']['median']:8.1f} us, packed "
+            f"{us['packed']['median']:7.1f} us "
+            f"({case['packed_over_per_tensor']['median']:.3f}); engine "
+            f"core->frontend outputs {us['outputs']['median']:8.1f} us",
+            flush=True,
+        )
+    # The headline: a large batch of an 8B model's rows.
+    headline = next(c for c in cases if (c["requests"], c["hidden"]) == HEADLINE)
+    data = {
+        "suite": "step_rows",
+        "description": (__doc__ or "").strip(),
+        "started": now(),
+        "machine": machine_facts(),
+        "versions": installed_versions(),
+        "settings": {
+            "model": f"rows {headline['layers']}x{headline['hidden']} "
+            f"{headline['dtype']}, {headline['requests']} requests",
+            "rounds": args.rounds,
+            "min_time": args.min_time,
+            "threads": 1,
+        },
+        "summary": {
+            "metric": "worker -> engine core per decode step, packed / per tensor",
+            **headline["packed_over_per_tensor"],
+            "aim": None,
+            "higher_is_better": False,
+        },
+        "rounds": headline["rounds"],
+        "cases": cases,
+    }
+    print("->", write_script_result(data, args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
