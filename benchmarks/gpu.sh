@@ -17,7 +17,7 @@
 #                   script: tests/test_gpu_script.py)
 #   --venv DIR      the environment to create or reuse (default: .venv-gpu)
 #   --out DIR       results root (default: benchmarks/results/v0.32.0-gpu)
-#   --suites LIST   benchmark suites (default: capture,transport,native)
+#   --suites LIST   benchmark suites (default: capture,decode,transport,native)
 #   --rounds N      alternating rounds per suite (default: 3)
 #   --skip-install  reuse --venv as it is (a second run on the same machine)
 #   --skip-tests    benchmarks only
@@ -32,7 +32,7 @@ VLLM_SPEC="vllm==0.32.0"
 SHAPE="llama-3.1-8b"
 VENV=".venv-gpu"
 OUT="benchmarks/results/v0.32.0-gpu"
-SUITES="capture,transport,native"
+SUITES="capture,decode,transport,native"
 ROUNDS=3
 DRY=0
 INSTALL=1

@@ -5,6 +5,8 @@
   alternately: throughput and peak memory.
 - capture: generation with states (4 layers, prompt and output) against
   without, on one patched engine, batches alternating.
+- decode: the same with output states only, in a decode-heavy batch (64
+  prompts of 16 tokens, 256 tokens each): the cost per request and step.
 - transport, heavy_payload: prefill with every layer's states against the
   same batch without, on the default multiprocess engine: the wall time the
   states add per byte, as a share of this machine's memcpy bandwidth
@@ -256,6 +258,47 @@ def _four_layers(sizes: dict[str, int]) -> list[Any]:
 
 
 def capture(settings: Settings) -> SuiteResult:
+    return _generation(
+        settings,
+        "capture",
+        {"prompt": True, "output": True},
+        "prompt+output",
+        "generation with hidden states against without, one patched engine, "
+        "batches alternating; rounds record peak RSS per process (frontend, "
+        "engine core, worker)",
+    )
+
+
+# The decode suite's batch: short prompts, long generations, so that decode
+# steps (one row per request and step) are most of the time.
+DECODE_SHAPE = {"prompts": 64, "prompt_len": 16, "max_tokens": 256}
+
+
+def decode(settings: Settings) -> SuiteResult:
+    """Generation with output states only, in a decode-heavy batch
+    (DECODE_SHAPE, whatever --prompts/--prompt-len/--max-tokens say): the
+    channel's cost per request and decode step, which `capture`'s long
+    prompts hide."""
+    import dataclasses
+
+    return _generation(
+        dataclasses.replace(settings, **DECODE_SHAPE),
+        "decode",
+        {"prompt": False, "output": True},
+        "output",
+        "decode-heavy generation (64 prompts of 16 tokens, 256 tokens each) "
+        "with output states against without, one patched engine, batches "
+        "alternating: the per-request, per-step cost of the channel",
+    )
+
+
+def _generation(
+    settings: Settings,
+    name: str,
+    states: dict[str, Any],
+    kinds: str,
+    description: str,
+) -> SuiteResult:
     t0 = time.perf_counter()
     path, sizes = model_dir(settings)
     vocab = sizes.get("vocab_size", 1024)
@@ -265,7 +308,7 @@ def capture(settings: Settings) -> SuiteResult:
         path,
         vocab,
         rounds=settings.rounds,
-        variants={"plain": None, "states": {"prompt": True, "output": True}},
+        variants={"plain": None, "states": states},
         engine=engine_kwargs(settings, layers),
     )
     out = run_workload(sys.executable, spec)["timings"]
@@ -283,15 +326,13 @@ def capture(settings: Settings) -> SuiteResult:
         print(f"  round {r}: ratio {rounds[-1]['ratio']:.4f}", flush=True)
     summary = summarize(
         [r["ratio"] for r in rounds],
-        f"throughput with states ({len(layers)} layers, prompt+output) / without",
+        f"throughput with states ({len(layers)} layers, {kinds}) / without",
         True,
         0.97,
     )
     return _result(
-        "capture",
-        "generation with hidden states against without, one patched engine, "
-        "batches alternating; rounds record peak RSS per process (frontend, "
-        "engine core, worker)",
+        name,
+        description,
         settings,
         rounds,
         summary,
@@ -953,6 +994,7 @@ SUITES = {
     "overhead": overhead,
     "overhead_config": overhead_config,
     "capture": capture,
+    "decode": decode,
     "transport": transport,
     "transport_socket": transport_socket,
     "probe": probe,
