@@ -54,16 +54,20 @@ class SuiteResult:
         return asdict(self)
 
 
+def spread(values: list[float]) -> dict[str, float]:
+    """Median, min and max of a figure over rounds (or batches)."""
+    return {
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+    }
+
+
 def summarize(
     ratios: list[float], metric: str, higher_is_better: bool, aim: float | None
 ) -> Summary:
     return Summary(
-        metric=metric,
-        higher_is_better=higher_is_better,
-        aim=aim,
-        median=statistics.median(ratios),
-        min=min(ratios),
-        max=max(ratios),
+        metric=metric, higher_is_better=higher_is_better, aim=aim, **spread(ratios)
     )
 
 
@@ -111,11 +115,7 @@ def memory_summary(sides: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         for role, key in MEMORY_KEYS.items():
             values = [r[key] / 2**20 for r in runs if r.get(key)]
             if values:
-                roles[role] = {
-                    "median": statistics.median(values),
-                    "min": min(values),
-                    "max": max(values),
-                }
+                roles[role] = spread(values)
         methods = {r.get("peak_rss_method", "sampled") for r in runs}
         out[side] = {"mib": roles, "method": "+".join(sorted(methods)), "n": len(runs)}
     return out

@@ -45,6 +45,7 @@ from benchmarks.common import (  # noqa: E402
     machine_facts,
     memory_summary,
     now,
+    spread,
     vllm_release,
     write_script_result,
 )
@@ -52,14 +53,6 @@ from benchmarks.suites import MODELS  # noqa: E402  (build_tiny_model sizes)
 from benchmarks.workload import PeakRss  # noqa: E402
 
 AIM = 0.97
-
-
-def _stats(values: list[float]) -> dict[str, float]:
-    return {
-        "median": statistics.median(values),
-        "min": min(values),
-        "max": max(values),
-    }
 
 
 def _hf_side(
@@ -298,17 +291,17 @@ def main(argv: list[str] | None = None) -> int:
         hf[name] = {
             "batch_size": batch,
             "runs": runs,
-            "tokens_per_s": _stats([x["tokens_per_s"] for x in runs]),
+            "tokens_per_s": spread([x["tokens_per_s"] for x in runs]),
         }
         print(f"  {name}: {hf[name]['tokens_per_s']['median']:,.0f} tok/s")
 
     extract_tps = statistics.median(r["extract"]["tokens_per_s"] for r in rounds)
     ratios = [r["ratio"] for r in rounds]
     comparisons = {
-        "extract_tokens_per_s": _stats([r["extract"]["tokens_per_s"] for r in rounds]),
-        "states_tokens_per_s": _stats([r["states"]["tokens_per_s"] for r in rounds]),
-        "plain_tokens_per_s": _stats([r["plain"]["tokens_per_s"] for r in rounds]),
-        "states_over_plain": _stats([r["states_ratio"] for r in rounds]),
+        "extract_tokens_per_s": spread([r["extract"]["tokens_per_s"] for r in rounds]),
+        "states_tokens_per_s": spread([r["states"]["tokens_per_s"] for r in rounds]),
+        "plain_tokens_per_s": spread([r["plain"]["tokens_per_s"] for r in rounds]),
+        "states_over_plain": spread([r["states_ratio"] for r in rounds]),
         **{
             f"extract_over_{name}": extract_tps / side["tokens_per_s"]["median"]
             for name, side in hf.items()
@@ -331,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
             "metric": "extract tokens/s / plain prefill tokens/s",
             "higher_is_better": True,
             "aim": AIM,
-            **_stats(ratios),
+            **spread(ratios),
         },
         "comparisons": comparisons,
         "memory": memory,

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -47,6 +46,7 @@ from benchmarks.common import (  # noqa: E402
     Summary,
     machine_facts,
     now,
+    spread,
     write_script_result,
 )
 from benchmarks.suites import MODELS  # noqa: E402
@@ -104,10 +104,6 @@ def _run(side: str, model_args: list[str], work: Path) -> dict[str, Any]:
     }
 
 
-def _stats(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="tiny", choices=sorted(MODELS))
@@ -153,9 +149,9 @@ def main(argv: list[str] | None = None) -> int:
             plain["wall_s"] - plain["extract_s"]
         )
         rounds.append(row)
-    ratio = _stats([r["replicas2_over_replicas1"] for r in rounds])
+    ratio = spread([r["replicas2_over_replicas1"] for r in rounds])
     figures = {
-        key: _stats([r[key] for r in rounds])
+        key: spread([r[key] for r in rounds])
         for key in (
             "replicas2_over_replicas1",
             "busy_overhead_per_sample_s",
@@ -163,8 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     }
     for side in names:
-        figures[f"{side}_wall_s"] = _stats([r[side]["wall_s"] for r in rounds])
-        figures[f"{side}_tokens_per_s"] = _stats(
+        figures[f"{side}_wall_s"] = spread([r[side]["wall_s"] for r in rounds])
+        figures[f"{side}_tokens_per_s"] = spread(
             [r[side]["tokens_per_s"] for r in rounds]
         )
     print(figures, flush=True)

@@ -30,7 +30,6 @@ import copyreg
 import gc
 import io
 import pickle
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -44,6 +43,7 @@ from benchmarks.common import (  # noqa: E402
     installed_versions,
     machine_facts,
     now,
+    spread,
     write_script_result,
 )
 
@@ -153,22 +153,16 @@ def main(argv: list[str] | None = None) -> int:
             timing["ratio"] = timing["packed"] / timing["per_tensor"]
             rounds.append(timing)
 
-        def stat(key: str, scale: float, rounds=rounds) -> dict[str, float]:
-            values = [t[key] * scale for t in rounds]
-            return {
-                "median": statistics.median(values),
-                "min": min(values),
-                "max": max(values),
-            }
-
         case = {
             "requests": requests,
             "layers": layers,
             "hidden": hidden,
             "dtype": dtype,
             "row_bytes": layers * hidden * getattr(torch, dtype).itemsize,
-            "us_per_step": {name: stat(name, 1e6) for name in names},
-            "packed_over_per_tensor": stat("ratio", 1.0),
+            "us_per_step": {
+                name: spread([t[name] * 1e6 for t in rounds]) for name in names
+            },
+            "packed_over_per_tensor": spread([t["ratio"] for t in rounds]),
             "rounds": rounds,
         }
         cases.append(case)
