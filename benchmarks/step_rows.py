@@ -11,13 +11,18 @@ makes them) and times, per step:
   (how rows crossed before patch 0022); ``packed`` is the `StepChunks` the
   capturer returns since 0022 (small rows as one tensor);
 * engine core -> frontend, vLLM's msgpack encoder and decoder on the
-  `EngineCoreOutputs` of that step (one tensor per request): ``outputs``.
-  Not changed by 0022; the cost it leaves per request.
+  `EngineCoreOutputs` of that step: ``outputs``, one tensor per request (how
+  rows crossed before patch 0023); ``outputs_packed``, the rows packed by the
+  engine core's output thread (`pack_output_rows`, since 0023) and put back
+  as views by the decoder. Both build the step's outputs in each call, as the
+  scheduler does. A frontend that keeps the rows past the step (FINAL_ONLY)
+  copies views of a pack out once every 16 outputs: not timed here.
 
 Each timing repeats its call for at least ``--min-time`` seconds (garbage
 collection off, as timeit does); rounds alternate the variants. Reported
-per case: microseconds per step (median [min, max] over rounds) and
-packed / per_tensor. Needs the patched wheel (0022). Writes
+per case: microseconds per step (median [min, max] over rounds),
+packed / per_tensor and outputs_packed / outputs. Needs the patched wheel
+(0023). Writes
 ``benchmarks/results/<vllm release>/step_rows.json``.
 
     python -m benchmarks.step_rows [--rounds 5]
@@ -79,19 +84,26 @@ def _pickle_round_trip(chunks: Any) -> Callable[[], Any]:
     return run
 
 
-def _outputs_round_trip(chunks: dict[str, Any]) -> Callable[[], Any]:
+def _outputs_round_trip(chunks: dict[str, Any], packed: bool) -> Callable[[], Any]:
+    """The step's `EngineCoreOutputs` through vLLM's msgpack encoder and
+    decoder, the small rows packed first when `packed` (the output thread's
+    `pack_output_rows`; the decoder puts them back)."""
     from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+    from vllm.v1.hidden_states.output_packs import pack_output_rows
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-    outputs = EngineCoreOutputs(
-        outputs=[
-            EngineCoreOutput(request_id=req_id, new_token_ids=[1], hidden_states=rows)
-            for req_id, (_, rows) in chunks.items()
-        ]
-    )
+    rows = [(req_id, rows) for req_id, (_, rows) in chunks.items()]
     encoder, decoder = MsgpackEncoder(), MsgpackDecoder(EngineCoreOutputs)
 
     def run() -> Any:
+        outputs = EngineCoreOutputs(
+            outputs=[
+                EngineCoreOutput(request_id=req_id, new_token_ids=[1], hidden_states=r)
+                for req_id, r in rows
+            ]
+        )
+        if packed:
+            pack_output_rows(outputs)
         return decoder.decode([bytes(f) for f in encoder.encode(outputs)])
 
     return run
@@ -140,17 +152,28 @@ def main(argv: list[str] | None = None) -> int:
         variants = {
             "per_tensor": _pickle_round_trip(dict(chunks)),
             "packed": _pickle_round_trip(StepChunks(chunks)),
-            "outputs": _outputs_round_trip(chunks),
+            "outputs": _outputs_round_trip(chunks, packed=False),
+            "outputs_packed": _outputs_round_trip(chunks, packed=True),
         }
-        # The packed step arrives equal.
+        # The packed steps arrive equal.
         received = variants["packed"]()
         assert all(torch.equal(received[k][1], rows) for k, (_, rows) in chunks.items())
+        outputs = variants["outputs_packed"]().outputs
+        assert [o.request_id for o in outputs] == list(chunks)
+        assert all(
+            torch.equal(o.hidden_states, rows)
+            for o, (_, rows) in zip(outputs, chunks.values())
+        )
         rounds: list[dict[str, float]] = []
         names = list(variants)
         for r in range(args.rounds):
             order = names[r % len(names) :] + names[: r % len(names)]
             timing = {name: _time(variants[name], args.min_time) for name in order}
             timing["ratio"] = timing["packed"] / timing["per_tensor"]
+            timing["outputs_ratio"] = timing["outputs_packed"] / timing["outputs"]
+            timing["both_ratio"] = (timing["packed"] + timing["outputs_packed"]) / (
+                timing["per_tensor"] + timing["outputs"]
+            )
             rounds.append(timing)
 
         case = {
@@ -163,6 +186,12 @@ def main(argv: list[str] | None = None) -> int:
                 name: spread([t[name] * 1e6 for t in rounds]) for name in names
             },
             "packed_over_per_tensor": spread([t["ratio"] for t in rounds]),
+            "outputs_packed_over_outputs": spread(
+                [t["outputs_ratio"] for t in rounds]
+            ),
+            "both_hops_packed_over_per_tensor": spread(
+                [t["both_ratio"] for t in rounds]
+            ),
             "rounds": rounds,
         }
         cases.append(case)
@@ -172,7 +201,9 @@ def main(argv: list[str] | None = None) -> int:
             f"core per_tensor {us['per_tensor']['median']:8.1f} us, packed "
             f"{us['packed']['median']:7.1f} us "
             f"({case['packed_over_per_tensor']['median']:.3f}); engine "
-            f"core->frontend outputs {us['outputs']['median']:8.1f} us",
+            f"core->frontend outputs {us['outputs']['median']:8.1f} us, packed "
+            f"{us['outputs_packed']['median']:7.1f} us "
+            f"({case['outputs_packed_over_outputs']['median']:.3f})",
             flush=True,
         )
     # The headline: a large batch of an 8B model's rows.
@@ -191,8 +222,8 @@ def main(argv: list[str] | None = None) -> int:
             "threads": 1,
         },
         "summary": {
-            "metric": "worker -> engine core per decode step, packed / per tensor",
-            **headline["packed_over_per_tensor"],
+            "metric": "both hops per decode step, packed / one tensor per request",
+            **headline["both_hops_packed_over_per_tensor"],
             "aim": None,
             "higher_is_better": False,
         },

@@ -36,6 +36,7 @@ QUICK = [
     "tests/v1/hidden_states/test_output_arena.py",
     "tests/v1/hidden_states/test_shared_rows.py",
     "tests/v1/hidden_states/test_step_chunks.py",
+    "tests/v1/hidden_states/test_output_packs.py",
     "tests/v1/core/test_output.py",
     "tests/v1/engine/test_parallel_sampling.py",
     "tests/v1/kv_connector/unit/test_hidden_states_connector.py",
