@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         assert [o.request_id for o in outputs] == list(chunks)
         assert all(
             torch.equal(o.hidden_states, rows)
-            for o, (_, rows) in zip(outputs, chunks.values())
+            for o, (_, rows) in zip(outputs, chunks.values(), strict=True)
         )
         rounds: list[dict[str, float]] = []
         names = list(variants)
@@ -186,9 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                 name: spread([t[name] * 1e6 for t in rounds]) for name in names
             },
             "packed_over_per_tensor": spread([t["ratio"] for t in rounds]),
-            "outputs_packed_over_outputs": spread(
-                [t["outputs_ratio"] for t in rounds]
-            ),
+            "outputs_packed_over_outputs": spread([t["outputs_ratio"] for t in rounds]),
             "both_hops_packed_over_per_tensor": spread(
                 [t["both_ratio"] for t in rounds]
             ),
