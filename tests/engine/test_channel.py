@@ -58,6 +58,42 @@ def test_mixed_batch(main_engine, llama_fp32):
             )
 
 
+def test_decode_rows_cross_to_the_frontend_packed(main_engine, llama_fp32, monkeypatch):
+    """Decode steps of several requests with output states: on the
+    multiprocess engine the engine core sends each step's small rows as one
+    packed tensor (patch 0023), which the frontend's decoder unpacks; every
+    row still matches HF (prompt and output rows, two layer sets, FINAL_ONLY
+    outputs that keep rows across many steps). The in-process engine does not
+    serialize and never packs."""
+    import vllm.v1.engine as engine_module
+
+    unpacked: list[int] = []
+    unpack = engine_module.unpack_output_rows
+
+    def counting_unpack(outputs):
+        unpacked.append(len(outputs.hidden_states_packs))
+        unpack(outputs)
+
+    monkeypatch.setattr(engine_module, "unpack_output_rows", counting_unpack)
+    llm, mode = main_engine
+    cases = [
+        (seeded_prompt(40 + i, 9 + 3 * i), greedy(20, hidden_states=states), expect)
+        for i, (states, expect) in enumerate(
+            [
+                ({}, Expect(MAIN_RESOLVED)),
+                ({"prompt": False}, Expect(MAIN_RESOLVED, prompt=False)),
+                ({"layers": [2, 0]}, Expect([2, 0])),
+                ({"layers": [2, 0], "prompt": False}, Expect([2, 0], prompt=False)),
+            ]
+        )
+    ]
+    run_cases(llm, cases, llama_fp32, DTYPE, f"[{mode}] packed decode")
+    if mode == "mp":
+        assert len(unpacked) >= 10, f"[{mode}] {len(unpacked)} packed messages"
+    else:
+        assert unpacked == []
+
+
 def test_chunked_prefill(main_engine, llama_fp32):
     """A prompt split over at least three prefill steps."""
     llm, mode = main_engine
