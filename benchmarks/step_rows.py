@@ -9,7 +9,10 @@ makes them) and times, per step:
   (vLLM's `_reduce_tensor` for tensors) and the engine core unpickles it:
   ``per_tensor`` is a plain dict, every request's rows a tensor of its own
   (how rows crossed before patch 0022); ``packed`` is the `StepChunks` the
-  capturer returns since 0022 (small rows as one tensor);
+  capturer returns since 0022 (small rows as one tensor); ``captured``, the
+  `StepChunks.packed` the capturer returns since 0024 for a step of small
+  rows, built from the step's buffer in each call (a split into views) and
+  pickled as that buffer, not packed again;
 * engine core -> frontend, vLLM's msgpack encoder and decoder on the
   `EngineCoreOutputs` of that step: ``outputs``, one tensor per request (how
   rows crossed before patch 0023); ``outputs_packed``, the rows packed by the
@@ -63,23 +66,44 @@ CASES = [
 HEADLINE = (256, 4096)  # (requests, hidden) of the summary's case
 
 
-def _pickle_round_trip(chunks: Any) -> Callable[[], Any]:
-    """Pickle as `MessageQueue.enqueue` does, unpickle as `dequeue` does."""
+def _pickle_round_trip(chunks: Any) -> Callable[..., Any]:
+    """Pickle as `MessageQueue.enqueue` does, unpickle as `dequeue` does
+    (`chunks`, or what the call is given)."""
     import torch
     from vllm.distributed.device_communicators.shm_broadcast import _reduce_tensor
 
     dispatch = {**copyreg.dispatch_table, torch.Tensor: _reduce_tensor}
 
-    def run() -> Any:
+    def run(what: Any = chunks) -> Any:
         buffers: list[Any] = []
         with io.BytesIO() as bio:
             pickler = pickle.Pickler(
                 bio, protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=buffers.append
             )
             pickler.dispatch_table = dispatch
-            pickler.dump(chunks)
+            pickler.dump(what)
             payload = bio.getvalue()
         return pickle.loads(payload, buffers=buffers)
+
+    return run
+
+
+def _captured_round_trip(chunks: dict[str, Any]) -> Callable[[], Any]:
+    """`StepChunks.packed` made from the step's buffer (as `to_output` does
+    since 0024), then the pickle round trip."""
+    from vllm.v1.hidden_states.step_chunks import StepChunks
+
+    req_ids = list(chunks)
+    starts = [start for start, _ in chunks.values()]
+    counts = [rows.shape[0] for _, rows in chunks.values()]
+    first = next(iter(chunks.values()))[1]
+    stacked = first.new_empty(0).set_(
+        first.untyped_storage(), 0, (sum(counts), *first.shape[1:])
+    )
+    round_trip = _pickle_round_trip(None)
+
+    def run() -> Any:
+        return round_trip(StepChunks.packed(req_ids, starts, counts, stacked))
 
     return run
 
@@ -152,12 +176,18 @@ def main(argv: list[str] | None = None) -> int:
         variants = {
             "per_tensor": _pickle_round_trip(dict(chunks)),
             "packed": _pickle_round_trip(StepChunks(chunks)),
+            "captured": _captured_round_trip(chunks),
             "outputs": _outputs_round_trip(chunks, packed=False),
             "outputs_packed": _outputs_round_trip(chunks, packed=True),
         }
         # The packed steps arrive equal.
-        received = variants["packed"]()
-        assert all(torch.equal(received[k][1], rows) for k, (_, rows) in chunks.items())
+        for name in ("packed", "captured"):
+            received = variants[name]()
+            assert received.keys() == chunks.keys()
+            assert all(
+                received[k][0] == start and torch.equal(received[k][1], rows)
+                for k, (start, rows) in chunks.items()
+            )
         outputs = variants["outputs_packed"]().outputs
         assert [o.request_id for o in outputs] == list(chunks)
         assert all(
@@ -170,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             order = names[r % len(names) :] + names[: r % len(names)]
             timing = {name: _time(variants[name], args.min_time) for name in order}
             timing["ratio"] = timing["packed"] / timing["per_tensor"]
+            timing["captured_ratio"] = timing["captured"] / timing["packed"]
             timing["outputs_ratio"] = timing["outputs_packed"] / timing["outputs"]
             timing["both_ratio"] = (timing["packed"] + timing["outputs_packed"]) / (
                 timing["per_tensor"] + timing["outputs"]
@@ -186,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
                 name: spread([t[name] * 1e6 for t in rounds]) for name in names
             },
             "packed_over_per_tensor": spread([t["ratio"] for t in rounds]),
+            "captured_over_packed": spread([t["captured_ratio"] for t in rounds]),
             "outputs_packed_over_outputs": spread([t["outputs_ratio"] for t in rounds]),
             "both_hops_packed_over_per_tensor": spread(
                 [t["both_ratio"] for t in rounds]
@@ -198,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{requests:4d} requests x {layers}x{hidden} {dtype:8s} worker->engine "
             f"core per_tensor {us['per_tensor']['median']:8.1f} us, packed "
             f"{us['packed']['median']:7.1f} us "
-            f"({case['packed_over_per_tensor']['median']:.3f}); engine "
+            f"({case['packed_over_per_tensor']['median']:.3f}), captured "
+            f"{us['captured']['median']:7.1f} us; engine "
             f"core->frontend outputs {us['outputs']['median']:8.1f} us, packed "
             f"{us['outputs_packed']['median']:7.1f} us "
             f"({case['outputs_packed_over_outputs']['median']:.3f})",
