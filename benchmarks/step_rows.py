@@ -88,18 +88,14 @@ def _pickle_round_trip(chunks: Any) -> Callable[..., Any]:
     return run
 
 
-def _captured_round_trip(chunks: dict[str, Any]) -> Callable[[], Any]:
-    """`StepChunks.packed` made from the step's buffer (as `to_output` does
-    since 0024), then the pickle round trip."""
+def _captured_round_trip(chunks: dict[str, Any], stacked: Any) -> Callable[[], Any]:
+    """`StepChunks.packed` made from the step's buffer `stacked` (as
+    `to_output` does since 0024), then the pickle round trip."""
     from vllm.v1.hidden_states.step_chunks import StepChunks
 
     req_ids = list(chunks)
     starts = [start for start, _ in chunks.values()]
     counts = [rows.shape[0] for _, rows in chunks.values()]
-    first = next(iter(chunks.values()))[1]
-    stacked = first.new_empty(0).set_(
-        first.untyped_storage(), 0, (sum(counts), *first.shape[1:])
-    )
     round_trip = _pickle_round_trip(None)
 
     def run() -> Any:
@@ -150,13 +146,18 @@ def _time(fn: Callable[[], Any], min_time: float) -> float:
         gc.enable()
 
 
-def _step(requests: int, layers: int, hidden: int, dtype: str) -> dict[str, Any]:
+def _step(
+    requests: int, layers: int, hidden: int, dtype: str
+) -> tuple[dict[str, Any], Any]:
+    """The step's chunks (one row per request, views of one buffer) and that
+    buffer."""
     import torch
 
     stacked = torch.randn(requests, layers, hidden).to(getattr(torch, dtype))
-    return {
+    chunks = {
         f"req-{i}": (100 + i, rows) for i, rows in enumerate(torch.split(stacked, 1))
     }
+    return chunks, stacked
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,11 +173,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     cases = []
     for requests, layers, hidden, dtype in CASES:
-        chunks = _step(requests, layers, hidden, dtype)
+        chunks, stacked = _step(requests, layers, hidden, dtype)
         variants = {
             "per_tensor": _pickle_round_trip(dict(chunks)),
             "packed": _pickle_round_trip(StepChunks(chunks)),
-            "captured": _captured_round_trip(chunks),
+            "captured": _captured_round_trip(chunks, stacked),
             "outputs": _outputs_round_trip(chunks, packed=False),
             "outputs_packed": _outputs_round_trip(chunks, packed=True),
         }
