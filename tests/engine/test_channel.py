@@ -64,8 +64,12 @@ def test_decode_rows_cross_to_the_frontend_packed(main_engine, llama_fp32, monke
     packed tensor (patch 0023), which the frontend's decoder unpacks; every
     row still matches HF (prompt and output rows, two layer sets, FINAL_ONLY
     outputs that keep rows across many steps). The in-process engine does not
-    serialize and never packs."""
+    serialize and never packs. There the capturer is seen too (in the
+    multiprocess engine it runs in the worker process): a batch whose
+    requests all ask for the engine's layers has its decode steps written as
+    one pack (patch 0024), a batch with layer subsets never."""
     import vllm.v1.engine as engine_module
+    from vllm.v1.hidden_states.step_chunks import StepChunks
 
     unpacked: list[int] = []
     unpack = engine_module.unpack_output_rows
@@ -75,6 +79,14 @@ def test_decode_rows_cross_to_the_frontend_packed(main_engine, llama_fp32, monke
         unpack(outputs)
 
     monkeypatch.setattr(engine_module, "unpack_output_rows", counting_unpack)
+    captured_packs: list[int] = []
+    packed = StepChunks.packed.__func__
+
+    def counting_packed(cls, req_ids, starts, counts, rows):
+        captured_packs.append(len(req_ids))
+        return packed(cls, req_ids, starts, counts, rows)
+
+    monkeypatch.setattr(StepChunks, "packed", classmethod(counting_packed))
     llm, mode = main_engine
     cases = [
         (seeded_prompt(40 + i, 9 + 3 * i), greedy(20, hidden_states=states), expect)
@@ -92,6 +104,11 @@ def test_decode_rows_cross_to_the_frontend_packed(main_engine, llama_fp32, monke
         assert len(unpacked) >= 10, f"[{mode}] {len(unpacked)} packed messages"
     else:
         assert unpacked == []
+        assert captured_packs == [], f"[{mode}] layer subsets captured packed"
+    run_cases(llm, cases[:2], llama_fp32, DTYPE, f"[{mode}] captured packed")
+    if mode == "inproc":
+        # Decode steps of both requests, each captured as one pack.
+        assert captured_packs.count(2) >= 10, f"[{mode}] {captured_packs}"
 
 
 def test_chunked_prefill(main_engine, llama_fp32):
