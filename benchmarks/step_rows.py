@@ -11,8 +11,9 @@ makes them) and times, per step:
   (how rows crossed before patch 0022); ``packed`` is the `StepChunks` the
   capturer returns since 0022 (small rows as one tensor); ``captured``, the
   `StepChunks.packed` the capturer returns since 0024 for a step of small
-  rows, built from the step's buffer in each call (a split into views) and
-  pickled as that buffer, not packed again;
+  rows, built from the step's buffer in each call (a split into views until
+  0025; since, views only where read in place) and pickled as that buffer,
+  not packed again;
 * engine core -> frontend, vLLM's msgpack encoder and decoder on the
   `EngineCoreOutputs` of that step: ``outputs``, one tensor per request (how
   rows crossed before patch 0023); ``outputs_packed``, the rows packed by the
@@ -90,7 +91,8 @@ def _pickle_round_trip(chunks: Any) -> Callable[..., Any]:
 
 def _captured_round_trip(chunks: dict[str, Any], stacked: Any) -> Callable[[], Any]:
     """`StepChunks.packed` made from the step's buffer `stacked` (as
-    `to_output` does since 0024), then the pickle round trip."""
+    `to_output` does since 0024; split into views there until 0025), then the
+    pickle round trip."""
     from vllm.v1.hidden_states.step_chunks import StepChunks
 
     req_ids = list(chunks)

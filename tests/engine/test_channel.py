@@ -80,13 +80,13 @@ def test_decode_rows_cross_to_the_frontend_packed(main_engine, llama_fp32, monke
 
     monkeypatch.setattr(engine_module, "unpack_output_rows", counting_unpack)
     captured_packs: list[int] = []
-    packed = StepChunks.packed.__func__
+    packed = StepChunks.packed
 
-    def counting_packed(cls, req_ids, starts, counts, rows):
+    def counting_packed(req_ids, starts, counts, rows):
         captured_packs.append(len(req_ids))
-        return packed(cls, req_ids, starts, counts, rows)
+        return packed(req_ids, starts, counts, rows)
 
-    monkeypatch.setattr(StepChunks, "packed", classmethod(counting_packed))
+    monkeypatch.setattr(StepChunks, "packed", staticmethod(counting_packed))
     llm, mode = main_engine
     cases = [
         (seeded_prompt(40 + i, 9 + 3 * i), greedy(20, hidden_states=states), expect)
