@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from vllm_hs.cli import main
-from vllm_hs.series.lint import lint_series
+from vllm_hs.series.git import Repo
+from vllm_hs.series.lint import lint_series, mypy_problems
 from vllm_hs.series.model import available_versions
 
 SERIES_ROOT = Path(__file__).resolve().parents[2] / "patches"
@@ -18,7 +19,8 @@ VERSIONS = available_versions(SERIES_ROOT)
 
 @pytest.mark.parametrize("version", VERSIONS)
 def test_shipped_series_is_clean(version: str, sdist) -> None:
-    """For 0.33.0 this is the CI check: applies, compiles, passes vLLM's ruff."""
+    """For 0.33.0 this is the CI check: applies, compiles, passes vLLM's ruff
+    and mypy (on the modules the series adds)."""
     findings = lint_series(version, series_root=SERIES_ROOT, sdist=sdist[version])
     assert [str(finding) for finding in findings] == []
 
@@ -52,6 +54,7 @@ def test_each_defect_is_reported(tmp_path: Path, sdist, capsys) -> None:
         "+from bisect import bisect_right\n",
         "+import os\n+from bisect import bisect_right\n",
     )
+
     _fix_hunk_counts(positions)
     # 0004: the hunks moved by a few lines (applies only with an offset).
     text = scheduler.read_text()
@@ -90,6 +93,8 @@ def test_each_defect_is_reported(tmp_path: Path, sdist, capsys) -> None:
     assert found(scheduler, "offset", "other line numbers"), findings
     assert found("0099-stray.patch", "series", "not listed"), findings
     assert found("series", "ruff", "F401"), findings
+    # A tree that does not compile is not type-checked (mypy stops at it).
+    assert not any("[mypy]" in f for f in findings), findings
     assert not any("[header]" in f for f in findings if params.name in f)
 
     assert (
@@ -132,3 +137,27 @@ def _fix_hunk_counts(path: Path) -> None:
         out.append(f"@@ -{match[1]},{old} +{match[3]},{new} @@{match[5]}")
         out.extend(body)
     path.write_text("\n".join(out))
+
+
+def test_mypy_reports_errors_in_the_modules_the_series_adds(tmp_path: Path) -> None:
+    """mypy with the tree's configuration: an error in a module the commits
+    add is reported with its place; one in a file they only change is not
+    (vLLM's own files have errors of their own), nor is a clean new module."""
+    repo = Repo.init(tmp_path / "tree")
+    (repo.path / "pyproject.toml").write_text(
+        "[tool.mypy]\ncheck_untyped_defs = true\n"
+    )
+    (repo.path / "vllm").mkdir()
+    (repo.path / "vllm" / "__init__.py").write_text("")
+    (repo.path / "vllm" / "old.py").write_text("A: int = 1\n")
+    repo.git("add", "-A")
+    repo.git("commit", "-q", "-m", "base")
+    base = repo.git("rev-parse", "HEAD").strip()
+    (repo.path / "vllm" / "old.py").write_text('A: int = 1\nB: int = "b"\n')
+    (repo.path / "vllm" / "clean.py").write_text("from vllm.old import A\n\nC = A\n")
+    (repo.path / "vllm" / "new.py").write_text("def f(x: int) -> str:\n    return x\n")
+    repo.git("add", "-A")
+    repo.git("commit", "-q", "-m", "series")
+    problems = mypy_problems(repo, base)
+    assert len(problems) == 1, problems
+    assert problems[0].startswith("vllm/new.py:2: Incompatible return value type")

@@ -15,12 +15,18 @@ For each series (default: every `patches/v<X>/`):
 * ruff: after the whole series, `ruff check` and `ruff format` with vLLM's own
   configuration (the tree's pyproject.toml) report nothing on the lines the series
   adds. vLLM pins its ruff version in .pre-commit-config.yaml; another ruff version
-  is used with a warning.
+  is used with a warning;
+* mypy: after the whole series, mypy with vLLM's configuration (the tree's
+  pyproject.toml, Python 3.11 as vLLM's pre-commit hook runs it) reports nothing
+  on the modules the series adds under vllm/ (not its tests, nor vLLM's own
+  files, which upstream's check already reports errors in). Skipped with a
+  warning where mypy is not installed (the tox environments pin it).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import re
@@ -53,6 +59,12 @@ _STATUS_RE = re.compile(
     r"^(Pending|(Submitted|Accepted) https?://\S+|Not-for-upstream(\s.+)?)$"
 )
 _TAGGED_SUBJECT_RE = re.compile(r"^\[[A-Za-z0-9][\w./ -]*\] \S")
+# mypy's "path:line: error: message  [code]" lines.
+_MYPY_ERROR_RE = re.compile(
+    r"^(?P<path>[^:\s]+\.pyi?):(?P<line>\d+): error: (?P<message>.*)$"
+)
+# The Python version vLLM's mypy pre-commit hook checks for (its oldest).
+MYPY_PYTHON_VERSION = "3.11"
 _PRE_COMMIT_RUFF_RE = re.compile(
     r"ruff-pre-commit\s*\n\s*rev:\s*v?([0-9][^\s]*)", re.MULTILINE
 )
@@ -62,7 +74,7 @@ _PRE_COMMIT_RUFF_RE = re.compile(
 class Finding:
     version: str  # the series' vLLM version
     patch: str | None  # the patch file's name; None for the whole series
-    check: str  # series | header | apply | offset | compile | ruff
+    check: str  # series | header | apply | offset | compile | ruff | mypy
     message: str
 
     def __str__(self) -> str:
@@ -73,12 +85,14 @@ class Finding:
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "lint",
-        help="check the series: headers, clean apply, byte-compile, vLLM's ruff",
+        help="check the series: headers, clean apply, byte-compile, vLLM's ruff "
+        "and mypy",
         description=(
             "Check each series against vLLM's source release (the PyPI sdist): "
             "header fields, git am with no fuzz and no offset, byte-compilation "
-            "after every patch, and ruff with vLLM's own configuration on the lines "
-            "the series adds. Exits 1 when anything is found."
+            "after every patch, ruff with vLLM's own configuration on the lines "
+            "the series adds, and mypy with vLLM's configuration on the modules "
+            "it adds. Exits 1 when anything is found."
         ),
         epilog="examples:\n  vllm-hs lint\n  vllm-hs lint --version 0.33.0",
     )
@@ -97,6 +111,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="a local vllm-<X>.tar.gz (with a single --version) instead of fetching",
     )
     parser.add_argument("--no-ruff", action="store_true", help="skip the ruff checks")
+    parser.add_argument("--no-mypy", action="store_true", help="skip the mypy check")
     add_series_dir_option(parser)
     parser.set_defaults(handler=run_lint)
 
@@ -109,7 +124,11 @@ def run_lint(args: argparse.Namespace) -> int:
     findings: list[Finding] = []
     for version in versions:
         found = lint_series(
-            version, series_root=series_root, sdist=args.sdist, ruff=not args.no_ruff
+            version,
+            series_root=series_root,
+            sdist=args.sdist,
+            ruff=not args.no_ruff,
+            mypy=not args.no_mypy,
         )
         findings += found
         print(f"v{version}: {'ok' if not found else f'{len(found)} problem(s)'}")
@@ -124,6 +143,7 @@ def lint_series(
     series_root: Path | None = None,
     sdist: Path | None = None,
     ruff: bool = True,
+    mypy: bool = True,
 ) -> list[Finding]:
     series_root = series_root or default_series_root()
     try:
@@ -152,6 +172,12 @@ def lint_series(
             findings += [
                 Finding(version, None, "ruff", message)
                 for message in ruff_problems(repo, base)
+            ]
+        # mypy stops at a file that does not compile, wherever it is imported.
+        if mypy and not any(finding.check == "compile" for finding in findings):
+            findings += [
+                Finding(version, None, "mypy", message)
+                for message in mypy_problems(repo, base)
             ]
     return findings
 
@@ -288,6 +314,57 @@ def ruff_problems(repo: Repo, base: str) -> list[str]:
         if row in added.get(path, set()):
             problems.append(f"{path}:{row}: not formatted as ruff format would")
     return problems
+
+
+def mypy_problems(repo: Repo, base: str) -> list[str]:
+    """mypy errors in the modules the commits since base add under vllm/, with
+    the tree's configuration; [] (and a warning) where mypy is not installed."""
+    if importlib.util.find_spec("mypy") is None:
+        logger.warning(
+            "mypy is not installed: the series' modules are not type-checked"
+        )
+        return []
+    added = repo.git("diff", "--name-only", "--diff-filter=A", base, "HEAD").split()
+    files = sorted(
+        path for path in added if path.startswith("vllm/") and path.endswith(".py")
+    )
+    if not files:
+        return []
+    with tempfile.TemporaryDirectory(prefix="vllm-hs-mypy-") as cache:
+        checked = run(
+            [
+                sys.executable,
+                "-m",
+                "mypy",
+                "--config-file",
+                str(repo.path / "pyproject.toml"),
+                "--python-version",
+                MYPY_PYTHON_VERSION,
+                "--cache-dir",
+                cache,
+                "--no-error-summary",
+                "--show-error-codes",
+                *files,
+            ],
+            cwd=repo.path,
+            check=False,
+        )
+    if checked.returncode not in (0, 1):
+        raise VllmHsError(f"mypy failed: {(checked.stderr or checked.stdout).strip()}")
+    matches = [
+        match
+        for match in map(_MYPY_ERROR_RE.match, checked.stdout.splitlines())
+        if match
+    ]
+    if checked.returncode == 1 and not matches:
+        raise VllmHsError(f"mypy failed: {checked.stdout.strip()}")
+    # Only the added modules: errors in files they import (vLLM's own, under a
+    # configuration that follows imports) are not the series'.
+    return [
+        f"{match['path']}:{match['line']}: {match['message']}"
+        for match in matches
+        if match["path"] in files
+    ]
 
 
 def _compile_error(tree: Path, path: str) -> SyntaxError | None:
