@@ -140,9 +140,10 @@ def _fix_hunk_counts(path: Path) -> None:
 
 
 def test_mypy_reports_errors_in_the_modules_the_series_adds(tmp_path: Path) -> None:
-    """mypy with the tree's configuration: an error in a module the commits
-    add is reported with its place; one in a file they only change is not
-    (vLLM's own files have errors of their own), nor is a clean new module."""
+    """mypy with the tree's configuration: an error in a file the commits
+    add (a module or a test) is reported with its place; one in a file they
+    only change is not (vLLM's own files have errors of their own), nor is a
+    clean new module."""
     repo = Repo.init(tmp_path / "tree")
     (repo.path / "pyproject.toml").write_text(
         "[tool.mypy]\ncheck_untyped_defs = true\n"
@@ -156,8 +157,13 @@ def test_mypy_reports_errors_in_the_modules_the_series_adds(tmp_path: Path) -> N
     (repo.path / "vllm" / "old.py").write_text('A: int = 1\nB: int = "b"\n')
     (repo.path / "vllm" / "clean.py").write_text("from vllm.old import A\n\nC = A\n")
     (repo.path / "vllm" / "new.py").write_text("def f(x: int) -> str:\n    return x\n")
+    (repo.path / "tests").mkdir()
+    (repo.path / "tests" / "test_new.py").write_text(
+        "from vllm.new import f\n\nY: str = f(1) + 1\n"
+    )
     repo.git("add", "-A")
     repo.git("commit", "-q", "-m", "series")
     problems = mypy_problems(repo, base)
-    assert len(problems) == 1, problems
-    assert problems[0].startswith("vllm/new.py:2: Incompatible return value type")
+    tests_error, module_error = sorted(problems)
+    assert tests_error.startswith("tests/test_new.py:3: Unsupported operand types")
+    assert module_error.startswith("vllm/new.py:2: Incompatible return value type")

@@ -18,9 +18,9 @@ For each series (default: every `patches/v<X>/`):
   is used with a warning;
 * mypy: after the whole series, mypy with vLLM's configuration (the tree's
   pyproject.toml, Python 3.11 as vLLM's pre-commit hook runs it) reports nothing
-  on the modules the series adds under vllm/ (not its tests, nor vLLM's own
-  files, which upstream's check already reports errors in). Skipped with a
-  warning where mypy is not installed (the tox environments pin it).
+  on the Python files the series adds under vllm/ and tests/ (not on vLLM's own
+  files it changes, in which upstream's check already reports errors). Skipped
+  with a warning where mypy is not installed (the tox environments pin it).
 """
 
 from __future__ import annotations
@@ -91,8 +91,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "Check each series against vLLM's source release (the PyPI sdist): "
             "header fields, git am with no fuzz and no offset, byte-compilation "
             "after every patch, ruff with vLLM's own configuration on the lines "
-            "the series adds, and mypy with vLLM's configuration on the modules "
-            "it adds. Exits 1 when anything is found."
+            "the series adds, and mypy with vLLM's configuration on the Python "
+            "files it adds. Exits 1 when anything is found."
         ),
         epilog="examples:\n  vllm-hs lint\n  vllm-hs lint --version 0.33.0",
     )
@@ -317,8 +317,9 @@ def ruff_problems(repo: Repo, base: str) -> list[str]:
 
 
 def mypy_problems(repo: Repo, base: str) -> list[str]:
-    """mypy errors in the modules the commits since base add under vllm/, with
-    the tree's configuration; [] (and a warning) where mypy is not installed."""
+    """mypy errors in the Python files the commits since base add under vllm/
+    and tests/, with the tree's configuration; [] (and a warning) where mypy
+    is not installed."""
     if importlib.util.find_spec("mypy") is None:
         logger.warning(
             "mypy is not installed: the series' modules are not type-checked"
@@ -326,7 +327,9 @@ def mypy_problems(repo: Repo, base: str) -> list[str]:
         return []
     added = repo.git("diff", "--name-only", "--diff-filter=A", base, "HEAD").split()
     files = sorted(
-        path for path in added if path.startswith("vllm/") and path.endswith(".py")
+        path
+        for path in added
+        if path.startswith(("vllm/", "tests/")) and path.endswith(".py")
     )
     if not files:
         return []
