@@ -20,7 +20,7 @@ VERSIONS = available_versions(SERIES_ROOT)
 @pytest.mark.parametrize("version", VERSIONS)
 def test_shipped_series_is_clean(version: str, sdist) -> None:
     """For 0.33.0 this is the CI check: applies, compiles, passes vLLM's ruff
-    and mypy (on the modules the series adds)."""
+    and mypy (on the Python files the series adds)."""
     findings = lint_series(version, series_root=SERIES_ROOT, sdist=sdist[version])
     assert [str(finding) for finding in findings] == []
 
@@ -54,7 +54,6 @@ def test_each_defect_is_reported(tmp_path: Path, sdist, capsys) -> None:
         "+from bisect import bisect_right\n",
         "+import os\n+from bisect import bisect_right\n",
     )
-
     _fix_hunk_counts(positions)
     # 0004: the hunks moved by a few lines (applies only with an offset).
     text = scheduler.read_text()
