@@ -13,7 +13,11 @@ makes them) and times, per step:
   `StepChunks.packed` the capturer returns since 0024 for a step of small
   rows, built from the step's buffer in each call (a split into views until
   0025; since, views only where read in place) and pickled as that buffer,
-  not packed again;
+  not packed again; on an accelerator the same since 0027 (after one copy of
+  the buffer to the host, not timed here), while ``accelerator_0026`` is that
+  worker's part before 0027, on the host: the buffer split into per-request
+  views, concatenated again (the source of its one device-to-host copy),
+  viewed per request and pickled as a `StepChunks` (packed again);
 * engine core -> frontend, vLLM's msgpack encoder and decoder on the
   `EngineCoreOutputs` of that step: ``outputs``, one tensor per request (how
   rows crossed before patch 0023); ``outputs_packed``, the rows packed by the
@@ -106,6 +110,34 @@ def _captured_round_trip(chunks: dict[str, Any], stacked: Any) -> Callable[[], A
     return run
 
 
+def _accelerator_0026_round_trip(
+    chunks: dict[str, Any], stacked: Any
+) -> Callable[[], Any]:
+    """The worker's part of a decode step on an accelerator before 0027 (on
+    the host): the step's buffer split into per-request views, concatenated
+    again, viewed per request, then the pickle round trip of a `StepChunks`."""
+    import torch
+    from vllm.v1.hidden_states.step_chunks import StepChunks
+
+    req_ids = list(chunks)
+    starts = [start for start, _ in chunks.values()]
+    counts = [rows.shape[0] for _, rows in chunks.values()]
+    round_trip = _pickle_round_trip(None)
+
+    def run() -> Any:
+        tensors = torch.split(stacked, counts)
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        host, offset = [], 0
+        for t in tensors:
+            n = t.numel()
+            host.append(flat[offset : offset + n].view(t.shape))
+            offset += n
+        pairs = zip(starts, host, strict=True)
+        return round_trip(StepChunks(dict(zip(req_ids, pairs, strict=True))))
+
+    return run
+
+
 def _outputs_round_trip(chunks: dict[str, Any], packed: bool) -> Callable[[], Any]:
     """The step's `EngineCoreOutputs` through vLLM's msgpack encoder and
     decoder, the small rows packed first when `packed` (the output thread's
@@ -180,11 +212,12 @@ def main(argv: list[str] | None = None) -> int:
             "per_tensor": _pickle_round_trip(dict(chunks)),
             "packed": _pickle_round_trip(StepChunks(chunks)),
             "captured": _captured_round_trip(chunks, stacked),
+            "accelerator_0026": _accelerator_0026_round_trip(chunks, stacked),
             "outputs": _outputs_round_trip(chunks, packed=False),
             "outputs_packed": _outputs_round_trip(chunks, packed=True),
         }
         # The packed steps arrive equal.
-        for name in ("packed", "captured"):
+        for name in ("packed", "captured", "accelerator_0026"):
             received = variants[name]()
             assert received.keys() == chunks.keys()
             assert all(
@@ -204,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
             timing = {name: _time(variants[name], args.min_time) for name in order}
             timing["ratio"] = timing["packed"] / timing["per_tensor"]
             timing["captured_ratio"] = timing["captured"] / timing["packed"]
+            timing["accelerator_ratio"] = (
+                timing["captured"] / timing["accelerator_0026"]
+            )
             timing["outputs_ratio"] = timing["outputs_packed"] / timing["outputs"]
             timing["both_ratio"] = (timing["packed"] + timing["outputs_packed"]) / (
                 timing["per_tensor"] + timing["outputs"]
@@ -221,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
             },
             "packed_over_per_tensor": spread([t["ratio"] for t in rounds]),
             "captured_over_packed": spread([t["captured_ratio"] for t in rounds]),
+            "captured_over_accelerator_0026": spread(
+                [t["accelerator_ratio"] for t in rounds]
+            ),
             "outputs_packed_over_outputs": spread([t["outputs_ratio"] for t in rounds]),
             "both_hops_packed_over_per_tensor": spread(
                 [t["both_ratio"] for t in rounds]
@@ -234,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
             f"core per_tensor {us['per_tensor']['median']:8.1f} us, packed "
             f"{us['packed']['median']:7.1f} us "
             f"({case['packed_over_per_tensor']['median']:.3f}), captured "
-            f"{us['captured']['median']:7.1f} us; engine "
+            f"{us['captured']['median']:7.1f} us (accelerator before 0027 "
+            f"{us['accelerator_0026']['median']:7.1f} us); engine "
             f"core->frontend outputs {us['outputs']['median']:8.1f} us, packed "
             f"{us['outputs_packed']['median']:7.1f} us "
             f"({case['outputs_packed_over_outputs']['median']:.3f})",
