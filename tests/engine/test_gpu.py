@@ -45,7 +45,9 @@ def runner(request, monkeypatch) -> str:
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_channel_on_cuda(mode, dtype, runner):
+def test_channel_on_cuda(mode, dtype, runner, monkeypatch):
+    from vllm.v1.hidden_states.step_chunks import StepChunks
+
     from vllm_hs.tiny_model import build_tiny_model
 
     model_dir = str(build_tiny_model("llama", dtype))
@@ -82,6 +84,27 @@ def test_channel_on_cuda(mode, dtype, runner):
         hit = [(shared + [11, 12], greedy(5, hidden_states={}), Expect(resolved))]
         (out,) = run_cases(llm, hit, model_dir, dtype, f"{what} hit", torch.bfloat16)
         assert out.num_cached_tokens > 0
+        if mode == "inproc":
+            # Decode steps whose requests all ask for the engine's layers:
+            # gathered on the GPU as one tensor, copied to the host once and
+            # sent as that pack (patch 0027). The capturer runs in this
+            # process only in-process.
+            captured: list[int] = []
+            packed = StepChunks.packed
+
+            def counting_packed(req_ids, starts, counts, rows):
+                captured.append(len(req_ids))
+                return packed(req_ids, starts, counts, rows)
+
+            monkeypatch.setattr(StepChunks, "packed", staticmethod(counting_packed))
+            states = {"prompt": False}
+            decode = [
+                (seeded_prompt(404 + i, 9), greedy(16, hidden_states=states))
+                for i in range(2)
+            ]
+            cases = [(p, s, Expect(resolved, prompt=False)) for p, s in decode]
+            run_cases(llm, cases, model_dir, dtype, f"{what} packed", torch.bfloat16)
+            assert captured.count(2) >= 10, f"{what} {captured}"
 
 
 @pytest.mark.parametrize("name", ["mixtral", "gpt2"])
