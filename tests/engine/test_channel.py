@@ -16,6 +16,7 @@ from vllm_hs.testing.harness import (
     PREFIX_STORE_BLOCKS,
     Expect,
     check_output,
+    count_captured_packs,
     greedy,
     run_cases,
     seeded_prompt,
@@ -69,7 +70,6 @@ def test_decode_rows_cross_to_the_frontend_packed(main_engine, llama_fp32, monke
     requests all ask for the engine's layers has its decode steps written as
     one pack (patch 0024), a batch with layer subsets never."""
     import vllm.v1.engine as engine_module
-    from vllm.v1.hidden_states.step_chunks import StepChunks
 
     unpacked: list[int] = []
     unpack = engine_module.unpack_output_rows
@@ -79,14 +79,7 @@ def test_decode_rows_cross_to_the_frontend_packed(main_engine, llama_fp32, monke
         unpack(outputs)
 
     monkeypatch.setattr(engine_module, "unpack_output_rows", counting_unpack)
-    captured_packs: list[int] = []
-    packed = StepChunks.packed
-
-    def counting_packed(req_ids, starts, counts, rows):
-        captured_packs.append(len(req_ids))
-        return packed(req_ids, starts, counts, rows)
-
-    monkeypatch.setattr(StepChunks, "packed", staticmethod(counting_packed))
+    captured_packs = count_captured_packs(monkeypatch)
     llm, mode = main_engine
     cases = [
         (seeded_prompt(40 + i, 9 + 3 * i), greedy(20, hidden_states=states), expect)

@@ -12,6 +12,7 @@ import torch
 from vllm_hs.testing.harness import (
     MODES,
     Expect,
+    count_captured_packs,
     engine,
     greedy,
     run_cases,
@@ -46,8 +47,6 @@ def runner(request, monkeypatch) -> str:
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_channel_on_cuda(mode, dtype, runner, monkeypatch):
-    from vllm.v1.hidden_states.step_chunks import StepChunks
-
     from vllm_hs.tiny_model import build_tiny_model
 
     model_dir = str(build_tiny_model("llama", dtype))
@@ -89,14 +88,7 @@ def test_channel_on_cuda(mode, dtype, runner, monkeypatch):
             # gathered on the GPU as one tensor, copied to the host once and
             # sent as that pack (patch 0027). The capturer runs in this
             # process only in-process.
-            captured: list[int] = []
-            packed = StepChunks.packed
-
-            def counting_packed(req_ids, starts, counts, rows):
-                captured.append(len(req_ids))
-                return packed(req_ids, starts, counts, rows)
-
-            monkeypatch.setattr(StepChunks, "packed", staticmethod(counting_packed))
+            captured = count_captured_packs(monkeypatch)
             states = {"prompt": False}
             decode = [
                 (seeded_prompt(404 + i, 9), greedy(16, hidden_states=states))

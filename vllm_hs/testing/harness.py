@@ -189,6 +189,23 @@ def tokens_prompt(token_ids: Sequence[int]) -> Any:
     return TokensPrompt(prompt_token_ids=list(token_ids))
 
 
+def count_captured_packs(monkeypatch: Any) -> list[int]:
+    """From now on, the number of requests in each step the capturer hands on
+    as one pack (`StepChunks.packed`, patches 0024 and 0027), when it runs in
+    this process (the in-process engine)."""
+    from vllm.v1.hidden_states.step_chunks import StepChunks
+
+    counts: list[int] = []
+    packed = StepChunks.packed
+
+    def counting_packed(req_ids: Any, starts: Any, row_counts: Any, rows: Any) -> Any:
+        counts.append(len(req_ids))
+        return packed(req_ids, starts, row_counts, rows)
+
+    monkeypatch.setattr(StepChunks, "packed", staticmethod(counting_packed))
+    return counts
+
+
 def seeded_prompt(seed: int, length: int, vocab: int = 1024, low: int = 8) -> list[int]:
     """Deterministic token ids in [low, vocab) (below `low`: special tokens)."""
     g = torch.Generator().manual_seed(seed)
