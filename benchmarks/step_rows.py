@@ -93,15 +93,21 @@ def _pickle_round_trip(chunks: Any) -> Callable[..., Any]:
     return run
 
 
+def _step_order(chunks: dict[str, Any]) -> tuple[list[str], list[int], list[int]]:
+    """The step's request ids, first positions and row counts, in order."""
+    req_ids = list(chunks)
+    starts = [start for start, _ in chunks.values()]
+    counts = [rows.shape[0] for _, rows in chunks.values()]
+    return req_ids, starts, counts
+
+
 def _captured_round_trip(chunks: dict[str, Any], stacked: Any) -> Callable[[], Any]:
     """`StepChunks.packed` made from the step's buffer `stacked` (as
     `to_output` does since 0024; split into views there until 0025), then the
     pickle round trip."""
     from vllm.v1.hidden_states.step_chunks import StepChunks
 
-    req_ids = list(chunks)
-    starts = [start for start, _ in chunks.values()]
-    counts = [rows.shape[0] for _, rows in chunks.values()]
+    req_ids, starts, counts = _step_order(chunks)
     round_trip = _pickle_round_trip(None)
 
     def run() -> Any:
@@ -119,9 +125,7 @@ def _accelerator_0026_round_trip(
     import torch
     from vllm.v1.hidden_states.step_chunks import StepChunks
 
-    req_ids = list(chunks)
-    starts = [start for start, _ in chunks.values()]
-    counts = [rows.shape[0] for _, rows in chunks.values()]
+    req_ids, starts, counts = _step_order(chunks)
     round_trip = _pickle_round_trip(None)
 
     def run() -> Any:
