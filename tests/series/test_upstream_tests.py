@@ -42,6 +42,13 @@ QUICK = [
     "tests/v1/kv_connector/unit/test_hidden_states_connector.py",
     "tests/entrypoints/openai/completion/test_completion_error.py",
     "tests/model_executor/test_triton_dispatcher.py",
+    "tests/v1/worker/cpu_kernels/test_registration.py",
+    "tests/v1/worker/cpu_kernels/test_input_batch.py",
+    "tests/v1/worker/cpu_kernels/test_block_table.py",
+    "tests/v1/worker/cpu_kernels/test_sample.py",
+    "tests/v1/worker/cpu_kernels/test_logprob.py",
+    "tests/v1/worker/cpu_kernels/test_spec_decode.py",
+    "tests/v1/worker/cpu_kernels/test_eagle.py",
 ]
 
 
