@@ -18,6 +18,9 @@
 - memory: one long prompt-states request (all layers) against the same request
   without states: the engine core's peak memory growth against the per-request
   byte cap.
+- runner: plain generation on Model Runner V2 without Triton (the series'
+  torch kernels on CPU) against Model Runner V1, the same patched wheel, in
+  separate processes run alternately (aim: V2 within 1.3x of V1).
 Every workload records per-process peak memory (frontend, engine core, worker).
 Extraction against plain prefill and HF transformers is `benchmarks/extraction.py`
 (`python -m benchmarks.extraction`); the response encoding is
@@ -989,6 +992,49 @@ def native_default(settings: Settings) -> SuiteResult:
     return _native(settings, "native_default")
 
 
+def runner(settings: Settings) -> SuiteResult:
+    """Plain generation (no hidden_states_config) on Model Runner V2 without
+    Triton (the series' torch kernels on CPU) against Model Runner V1, the
+    same patched wheel, separate processes run alternately."""
+    t0 = time.perf_counter()
+    path, sizes = model_dir(settings)
+    vocab = sizes.get("vocab_size", 1024)
+
+    def side(flag: str) -> dict[str, Any]:
+        spec = _spec(settings, path, vocab, rounds=2)
+        spec["env"] = {"VLLM_USE_V2_MODEL_RUNNER": flag}
+        runs = run_workload(sys.executable, spec)["timings"]["plain"]
+        best = max(runs, key=lambda t: t["tokens_per_s"])
+        return {"runs": runs, "tokens_per_s": best["tokens_per_s"]}
+
+    rounds = alternate(
+        settings.rounds,
+        lambda: side("0"),
+        lambda: side("1"),
+        lambda a, b: b["tokens_per_s"] / a["tokens_per_s"],
+    )
+    summary = summarize(
+        [r["ratio"] for r in rounds],
+        "throughput Model Runner V2 (no Triton) / Model Runner V1",
+        True,
+        1 / 1.3,
+    )
+    return _result(
+        "runner",
+        "plain generation on Model Runner V2 without Triton (torch kernels) "
+        "against Model Runner V1, same patched wheel, separate processes "
+        "alternating",
+        settings,
+        rounds,
+        summary,
+        t0,
+        memory={
+            "v1": [t for r in rounds for t in r["A"]["runs"]],
+            "v2": [t for r in rounds for t in r["B"]["runs"]],
+        },
+    )
+
+
 SUITES = {
     "memory": memory,
     "overhead": overhead,
@@ -1003,4 +1049,5 @@ SUITES = {
     "native": native,
     "native_omp_all": native_omp_all,
     "native_default": native_default,
+    "runner": runner,
 }

@@ -64,7 +64,7 @@ def test_every_subpackage_is_listed() -> None:
 
 def test_every_third_party_import_is_declared() -> None:
     distributions = importlib.metadata.packages_distributions()
-    allowed = declared(("extract", "mrv2-cpu", "speculators"))
+    allowed = declared(("extract", "speculators"))
     missing = {}
     for path in product_modules():
         for module in imported_modules(path):

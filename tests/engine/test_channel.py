@@ -23,7 +23,7 @@ from vllm_hs.testing.harness import (
     tokens_prompt,
 )
 
-pytestmark = pytest.mark.mrv2
+pytestmark = pytest.mark.mrv1
 
 DTYPE = torch.float32
 

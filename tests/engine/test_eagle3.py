@@ -37,7 +37,7 @@ SPEC_METRICS = (
     "vllm:spec_decode_num_draft_tokens",
     "vllm:spec_decode_num_accepted_tokens",
 )
-pytestmark = pytest.mark.mrv2
+pytestmark = pytest.mark.mrv1
 
 ENGINE_ARGS = {
     "dtype": "float32",

@@ -19,7 +19,7 @@ from vllm_hs.testing.harness import (
 )
 
 
-@pytest.mark.mrv2
+@pytest.mark.mrv1
 @pytest.mark.parametrize("mode", MODES)
 def test_preemption_and_recompute(mode, llama_fp32):
     """A KV cache of 320 tokens for 6 requests of 80: requests are preempted
@@ -91,7 +91,7 @@ def test_qwen3_bf16(mode, qwen3_bf16):
 PARALLEL_LAYERS = [0, 2, 3, "final_norm"]
 
 
-@pytest.mark.mrv2
+@pytest.mark.mrv1
 @pytest.mark.parametrize("parallel", ["tp2", "pp2"])
 def test_parallel_workers(parallel, llama_fp32, monkeypatch):
     """Two CPU workers (multiprocess). Tensor parallel: only the output rank

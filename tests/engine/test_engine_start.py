@@ -221,11 +221,10 @@ def test_final_norm_works_on_any_model(gpt2_dir):
     )
 
 
-@pytest.mark.mrv2
 def test_model_runner_v1_can_still_be_forced(llama_fp32, monkeypatch):
-    """Where Model Runner V2 is the default (here: the v2 session's Triton
-    interpreter), an engine with the channel runs on it, and a user can still
-    force V1 (VLLM_USE_V2_MODEL_RUNNER=0): rows equal HF there too."""
+    """Where Model Runner V2 is the default (the patched CPU wheel, GPUs), an
+    engine with the channel runs on it, and a user can still force V1
+    (VLLM_USE_V2_MODEL_RUNNER=0): rows equal HF there too."""
     import vllm.envs
 
     from vllm_hs.testing import expected_model_runner

@@ -16,7 +16,6 @@ from vllm_hs.testing.harness import (
     check_stop_inside_drafts,
     engine,
     engine_metric,
-    expected_model_runner,
     greedy,
     repeated_prompt,
     run_cases,
@@ -33,7 +32,7 @@ NGRAM = {
 }
 DTYPE = torch.float32
 
-pytestmark = pytest.mark.mrv2
+pytestmark = pytest.mark.mrv1
 
 
 @pytest.fixture(scope="module", params=speculation_modes())
@@ -101,11 +100,7 @@ def test_stop_token_inside_accepted_drafts(spec_engine, llama_fp32):
 
 def test_preemption_under_speculation(spec_engine, llama_fp32):
     """Eight requests of 100 tokens in a 640-token KV cache: requests are
-    preempted and recomputed mid-speculation; no row duplicated or missing.
-    On Model Runner V1: on V2 (slow under Triton's interpreter) test_eagle3's
-    mixed batch is preempted under speculation."""
-    if expected_model_runner() == "v2":
-        pytest.skip("preemption under speculation on V2: test_eagle3.py")
+    preempted and recomputed mid-speculation; no row duplicated or missing."""
     llm, mode = spec_engine
     before = engine_metric(llm, "vllm:num_preemptions")
     cases = [

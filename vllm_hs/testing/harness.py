@@ -22,7 +22,6 @@ from typing import Any
 import torch
 
 from vllm_hs.hf_reference import assert_states_close, hf_sequence_states
-from vllm_hs.triton_interpreter import interpreter_requested
 
 MODES = ("inproc", "mp")
 """Engine modes: the in-process engine core (no serialization) and the default
@@ -81,9 +80,6 @@ def engine(model_dir: str, mode: str = "inproc", **kwargs: Any) -> Iterator[Any]
         worker_extension_cls="vllm_hs.testing.ChannelStateProbe",
     )
     options.update(kwargs)
-    if interpreter_requested():
-        # Triton's interpreter stands in for a compiler: nothing to compile.
-        options["enforce_eager"] = True
     llm = LLM(model_dir, **options)
     try:
         check_model_runner(llm)
@@ -97,27 +93,29 @@ def engine(model_dir: str, mode: str = "inproc", **kwargs: Any) -> Iterator[Any]
 
 def expected_model_runner() -> str:
     """The model runner vLLM selects for this process's engines: the one
-    `VLLM_USE_V2_MODEL_RUNNER` forces, else "v2" (Model Runner V2) where Triton
-    runs (Triton's interpreter as a CPU backend, `vllm_hs.triton_interpreter`,
-    or CUDA), else "v1"."""
+    `VLLM_USE_V2_MODEL_RUNNER` forces, else "v2" (Model Runner V2) where its
+    kernels run (CUDA; a CPU whose vLLM implements them without Triton, as
+    the series does), else "v1"."""
     from vllm.envs import maybe_convert_bool  # vLLM's own reading of the flag
 
     forced = maybe_convert_bool(os.environ.get("VLLM_USE_V2_MODEL_RUNNER"))
     if forced is not None:
         return "v2" if forced else "v1"
-    if interpreter_requested():
-        return "v2"
     import torch
+    from vllm.platforms import current_platform
 
+    without_triton = getattr(
+        current_platform, "supports_v2_model_runner_without_triton", None
+    )
+    if without_triton is not None and without_triton():
+        return "v2"
     return "v2" if torch.cuda.is_available() else "v1"
 
 
 def speculation_modes() -> tuple[str, ...]:
-    """Engine modes of the speculative-decoding tests: both on Model Runner V1;
-    on V2 (through Triton's interpreter, slow) in-process only, since the
-    rows' transport is that of every V2 engine, tested in both modes by
-    tests/engine/test_channel.py."""
-    return MODES if expected_model_runner() == "v1" else ("inproc",)
+    """Engine modes of the speculative-decoding tests: both, on either model
+    runner."""
+    return MODES
 
 
 def check_model_runner(llm: Any) -> None:
