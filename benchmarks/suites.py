@@ -186,6 +186,54 @@ def _result(
     )
 
 
+Side = tuple[str, str, dict[str, Any]]  # (label, python, workload spec)
+
+
+def _throughput_side(python: str, spec: dict[str, Any]) -> dict[str, Any]:
+    runs = run_workload(python, spec)["timings"]["plain"]
+    best = max(runs, key=lambda t: t["tokens_per_s"])
+    return {
+        "runs": runs,
+        "tokens_per_s": best["tokens_per_s"],
+        "peak_rss_total": max(t["peak_rss_total"] for t in runs),
+    }
+
+
+def _alternating_throughput(
+    settings: Settings,
+    name: str,
+    description: str,
+    metric: str,
+    aim: float,
+    a: Side,
+    b: Side,
+    t0: float,
+) -> SuiteResult:
+    """Plain generation on side `a` against side `b`, each in its own processes,
+    run alternately: throughput ratio b / a per round, and peak-memory ratios."""
+    rounds = alternate(
+        settings.rounds,
+        lambda: _throughput_side(a[1], a[2]),
+        lambda: _throughput_side(b[1], b[2]),
+        lambda x, y: y["tokens_per_s"] / x["tokens_per_s"],
+    )
+    for r in rounds:
+        r["memory_ratio"] = r["B"]["peak_rss_total"] / r["A"]["peak_rss_total"]
+    summary = summarize([r["ratio"] for r in rounds], metric, True, aim)
+    return _result(
+        name,
+        description,
+        settings,
+        rounds,
+        summary,
+        t0,
+        memory={
+            a[0]: [t for r in rounds for t in r["A"]["runs"]],
+            b[0]: [t for r in rounds for t in r["B"]["runs"]],
+        },
+    )
+
+
 def _overhead(settings: Settings, name: str, with_config: bool) -> SuiteResult | None:
     if not settings.unpatched_python:
         print(f"{name}: skipped (no --unpatched-python given)")
@@ -198,48 +246,22 @@ def _overhead(settings: Settings, name: str, with_config: bool) -> SuiteResult |
     patched = _spec(
         settings, path, vocab, rounds=2, engine=engine_kwargs(settings, layers)
     )
-
-    def side(python: str, spec: dict[str, Any]) -> dict[str, Any]:
-        runs = run_workload(python, spec)["timings"]["plain"]
-        best = max(runs, key=lambda t: t["tokens_per_s"])
-        return {
-            "runs": runs,
-            "tokens_per_s": best["tokens_per_s"],
-            "peak_rss_total": max(t["peak_rss_total"] for t in runs),
-        }
-
-    rounds = alternate(
-        settings.rounds,
-        lambda: side(settings.unpatched_python, unpatched),
-        lambda: side(sys.executable, patched),
-        lambda a, b: b["tokens_per_s"] / a["tokens_per_s"],
-    )
-    for r in rounds:
-        r["memory_ratio"] = r["B"]["peak_rss_total"] / r["A"]["peak_rss_total"]
     what = (
         f"hidden_states_config with {len(layers)} layers"
         if layers
         else "no hidden_states_config"
     )
-    summary = summarize(
-        [r["ratio"] for r in rounds],
-        f"throughput patched ({what}, no request asking) / unpatched",
-        True,
-        0.99,
-    )
-    return _result(
+    return _alternating_throughput(
+        settings,
         name,
         f"patched engine ({what}), requests asking nothing, against the "
         "unpatched wheel of the same release (separate processes, alternating); "
         "rounds also record peak-memory ratios",
-        settings,
-        rounds,
-        summary,
+        f"throughput patched ({what}, no request asking) / unpatched",
+        0.99,
+        ("unpatched", settings.unpatched_python, unpatched),
+        ("patched", sys.executable, patched),
         t0,
-        memory={
-            "unpatched": [t for r in rounds for t in r["A"]["runs"]],
-            "patched": [t for r in rounds for t in r["B"]["runs"]],
-        },
     )
 
 
@@ -1000,38 +1022,23 @@ def runner(settings: Settings) -> SuiteResult:
     path, sizes = model_dir(settings)
     vocab = sizes.get("vocab_size", 1024)
 
-    def side(flag: str) -> dict[str, Any]:
-        spec = _spec(settings, path, vocab, rounds=2)
-        spec["env"] = {"VLLM_USE_V2_MODEL_RUNNER": flag}
-        runs = run_workload(sys.executable, spec)["timings"]["plain"]
-        best = max(runs, key=lambda t: t["tokens_per_s"])
-        return {"runs": runs, "tokens_per_s": best["tokens_per_s"]}
+    def spec(flag: str) -> dict[str, Any]:
+        return {
+            **_spec(settings, path, vocab, rounds=2),
+            "env": {"VLLM_USE_V2_MODEL_RUNNER": flag},
+        }
 
-    rounds = alternate(
-        settings.rounds,
-        lambda: side("0"),
-        lambda: side("1"),
-        lambda a, b: b["tokens_per_s"] / a["tokens_per_s"],
-    )
-    summary = summarize(
-        [r["ratio"] for r in rounds],
-        "throughput Model Runner V2 (no Triton) / Model Runner V1",
-        True,
-        1 / 1.3,
-    )
-    return _result(
+    return _alternating_throughput(
+        settings,
         "runner",
         "plain generation on Model Runner V2 without Triton (torch kernels) "
         "against Model Runner V1, same patched wheel, separate processes "
         "alternating",
-        settings,
-        rounds,
-        summary,
+        "throughput Model Runner V2 (no Triton) / Model Runner V1",
+        1 / 1.3,
+        ("v1", sys.executable, spec("0")),
+        ("v2", sys.executable, spec("1")),
         t0,
-        memory={
-            "v1": [t for r in rounds for t in r["A"]["runs"]],
-            "v2": [t for r in rounds for t in r["B"]["runs"]],
-        },
     )
 
 
