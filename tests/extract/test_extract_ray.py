@@ -1,8 +1,9 @@
 """`vllm-hs extract --ray` as users run it: a subprocess that starts a local Ray
 cluster with two replicas (two patched engines in Ray Data actors). Killed
 mid-way (the driver's whole process group) and resumed, or with one replica
-killed under it, it writes the bytes of a single-process run: same token ids,
-loss masks and tensors in the same rows, same manifest settings."""
+killed under it, it writes what a single-process run writes: same token ids,
+loss masks and tensors in the same rows (hidden states to the last bits, see
+`test_extract_cli.assert_same_extraction`), same manifest settings."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from test_extract_cli import digests, vllm_hs
+from test_extract_cli import assert_same_extraction, digests, vllm_hs
 
 from vllm_hs.extract.cli import DEFAULT_OUTPUT
 from vllm_hs.extract.format import FINGERPRINT_KEYS, HS_DIR, MANIFEST
@@ -91,7 +92,7 @@ def _replica_lines(stdout: str) -> list[tuple[str, int]]:
 
 
 def _assert_same_dataset(out: Path, clean: Path) -> None:
-    assert digests(out) == digests(clean)
+    assert_same_extraction(out, clean)
     assert len(digests(clean)) == NUM + 2
     assert not [p for p in out.rglob(".*")], "temp files left behind"
     ours, theirs = (json.loads((d / MANIFEST).read_text()) for d in (out, clean))
@@ -126,7 +127,7 @@ def _kill_session(proc: subprocess.Popen) -> None:
     raise AssertionError(f"processes of the killed run still alive: {alive}")
 
 
-def test_killed_ray_run_resumes_to_the_bytes_of_a_single_process_run(
+def test_killed_ray_run_resumes_to_the_samples_of_a_single_process_run(
     tmp_path: Path, clean: Path
 ):
     """Kill the whole run (driver, local Ray cluster, replicas and their
@@ -153,7 +154,7 @@ def test_a_killed_replica_is_restarted_and_its_batch_redone(
     tmp_path: Path, clean: Path
 ):
     """SIGKILL one replica's actor process once 16 samples are on disk: Ray Data
-    restarts it and redoes its batch; the run completes to the same bytes."""
+    restarts it and redoes its batch; the run completes to the same samples."""
     killed: list[int] = []
 
     def kill_a_replica(proc: subprocess.Popen) -> None:
