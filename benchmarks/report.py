@@ -33,7 +33,7 @@ def markdown(results: list[tuple[str, dict[str, Any]]]) -> str:
         aim = (
             ""
             if s.get("aim") is None
-            else f"{'>=' if s['higher_is_better'] else '<='} {s['aim']}"
+            else f"{'>=' if s['higher_is_better'] else '<='} {s['aim']:.4g}"
         )
         machine = data.get("machine", {})
         lines.append(
