@@ -70,17 +70,15 @@ def assert_same_extraction(out: Path, clean: Path) -> None:
     differing = [name for name in theirs if ours[name] != theirs[name]]
     assert not [n for n in differing if not n.startswith(f"{HS_DIR}/")], differing
     for name in differing:
-        a, b = load_file(out / name), load_file(clean / name)
-        assert sorted(a) == sorted(b), name
-        for key, expected in b.items():
-            got = a[key]
-            assert (got.dtype, got.shape) == (expected.dtype, expected.shape), key
-            if expected.is_floating_point():
-                torch.testing.assert_close(
-                    got, expected, rtol=0, atol=STATES_ATOL, msg=f"{name}: {key}"
-                )
-            else:
-                assert torch.equal(got, expected), f"{name}: {key}"
+        # Same keys, dtypes and shapes; an absolute tolerance under 1 leaves
+        # integer tensors (token ids) to compare exactly.
+        torch.testing.assert_close(
+            load_file(out / name),
+            load_file(clean / name),
+            rtol=0,
+            atol=STATES_ATOL,
+            msg=lambda message, name=name: f"{name}: {message}",
+        )
 
 
 def test_help_names_the_defaults(tmp_path: Path):
