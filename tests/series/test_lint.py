@@ -31,32 +31,42 @@ def _edit(path: Path, old: str, new: str, count: int = 1) -> None:
     path.write_text(text.replace(old, new, count))
 
 
+def _patch_with(directory: Path, text: str, last: bool = False) -> Path:
+    """The (first, or last) patch of the series whose text contains `text`."""
+    patches = [p for p in sorted(directory.glob("*.patch")) if text in p.read_text()]
+    assert patches, text
+    return patches[-1 if last else 0]
+
+
 def test_each_defect_is_reported(tmp_path: Path, sdist, capsys) -> None:
     root = tmp_path / "patches"
     shutil.copytree(SERIES_ROOT / "v0.32.0", root / "v0.32.0")
     directory = root / "v0.32.0"
-    config, params, scheduler = (
-        next(directory.glob(f"{number}-*.patch")) for number in ("0001", "0002", "0004")
+    params = sorted(directory.glob("*.patch"))[0]  # left as it is
+    config = _patch_with(directory, "+            verify_hidden_states_config(self)\n")
+    positions = _patch_with(directory, "+from bisect import bisect_right\n", last=True)
+    client = _patch_with(directory, "vllm/v1/engine/core_client.py")
+    assert len({params, config, client}) == 3
+    # The config hook's patch: a header field gone, a sign-off (the series
+    # carries none), and an added line that no longer compiles.
+    _edit(
+        config, "Upstream-Status: Pending\n", "Signed-off-by: A <a@example.invalid>\n"
     )
-    # 0001: two header fields gone; an added line that no longer compiles.
-    _edit(config, "Upstream-Status: Pending\n", "")
-    config.write_text(re.sub(r"(?m)^Signed-off-by: .*\n", "", config.read_text()))
     _edit(
         config,
-        "+        verify_hidden_states_config(self)\n",
-        "+        verify_hidden_states_config(self))\n",
+        "+            verify_hidden_states_config(self)\n",
+        "+            verify_hidden_states_config(self))\n",
     )
-    # 0014 (the last patch of its file): an added import that is never used
-    # (F401 under vLLM's ruff config).
-    (positions,) = directory.glob("0014-*.patch")
+    # The last patch of positions.py: an added import that is never used (F401
+    # under vLLM's ruff config).
     _edit(
         positions,
         "+from bisect import bisect_right\n",
         "+import os\n+from bisect import bisect_right\n",
     )
     _fix_hunk_counts(positions)
-    # 0004: the hunks moved by a few lines (applies only with an offset).
-    text = scheduler.read_text()
+    # Another patch: the hunks moved by a few lines (applies only with an offset).
+    text = client.read_text()
     moved = re.sub(
         r"^@@ -(\d+),(\d+) \+(\d+),(\d+) @@",
         lambda m: (
@@ -69,9 +79,7 @@ def test_each_defect_is_reported(tmp_path: Path, sdist, capsys) -> None:
     )
     assert moved != text
     # ... and an Upstream-PR value lint does not know.
-    scheduler.write_text(
-        moved.replace("Upstream-Status:", "Upstream-PR: x\nUpstream-Status:", 1)
-    )
+    client.write_text(moved.replace("Upstream-PR: separate", "Upstream-PR: x", 1))
     # A patch file the series does not list.
     (directory / "0099-stray.patch").write_text(params.read_text())
 
@@ -86,10 +94,10 @@ def test_each_defect_is_reported(tmp_path: Path, sdist, capsys) -> None:
         )
 
     assert found(config, "header", "no 'Upstream-Status:' field"), findings
-    assert found(config, "header", "no 'Signed-off-by:' trailer"), findings
-    assert found(scheduler, "header", "Upstream-PR 'x'"), findings
+    assert found(config, "header", "a 'Signed-off-by:' trailer"), findings
+    assert found(client, "header", "Upstream-PR 'x'"), findings
     assert found(config, "compile", "vllm/config/vllm.py"), findings
-    assert found(scheduler, "offset", "other line numbers"), findings
+    assert found(client, "offset", "other line numbers"), findings
     assert found("0099-stray.patch", "series", "not listed"), findings
     assert found("series", "ruff", "F401"), findings
     # A tree that does not compile is not type-checked (mypy stops at it).

@@ -59,6 +59,12 @@ def test_stage_makes_one_commit_per_patch_on_the_release_tag(
     bodies = git(tree, "log", "--format=%B", "v0.32.0..hidden-states-v0.32.0")
     assert bodies.count("Upstream-Status: Pending") == len(series.patches)
     assert bodies.count("vLLM-Version: 0.32.0") == len(series.patches)
+    # The series carries no sign-off; each commit is signed off by whoever
+    # staged it (the DCO needs a person), here the committer identity.
+    committer = git(tree, "log", "-1", "--format=%cn <%ce>").strip()
+    assert bodies.count(f"Signed-off-by: {committer}") == len(series.patches)
+    for patch in series.patches:
+        assert "Signed-off-by:" not in patch.path.read_text()
     # The tag is the pristine release: the sdist's version file, no series module.
     assert "0.32.0" in git(tree, "show", "v0.32.0:vllm/_version.py")
     files = git(tree, "ls-tree", "-r", "--name-only", "v0.32.0").splitlines()
@@ -74,7 +80,7 @@ def test_footprint_splits_upstream_files_from_new_files(staged_032: StagedTree) 
     total_added = sum(int(line.split("\t")[0]) for line in numstat.splitlines())
     assert sum(c.added for c in footprint.changes) == total_added
     new = {change.path for change in footprint.new}
-    assert "vllm/v1/hidden_states/capture.py" in new
+    assert "vllm/distributed/aux_output_connector/hidden_states.py" in new
     assert "vllm/v1/core/sched/scheduler.py" not in new
     existing = {change.path for change in footprint.existing}
     assert "vllm/v1/core/sched/scheduler.py" in existing
@@ -146,9 +152,14 @@ def test_refresh_after_an_edit_rewrites_that_patch_and_keeps_headers(
         "0.32.0", dest=tmp_path / "edit", sdist=sdist["0.32.0"], series_root=SERIES_ROOT
     )
     tree = staged.repo.path
-    # A file only patch 0002 touches (an edit of a file later patches touch too
+    # A file only one patch touches (an edit of a file later patches touch too
     # changes their index lines as well).
     params = tree / "vllm/sampling_params.py"
+    (owner,) = [
+        p.name
+        for p in staged.series.patches
+        if "a/vllm/sampling_params.py" in p.path.read_text()
+    ]
     target = git(tree, "log", "--format=%H", "-1", "--", "vllm/sampling_params.py")
     params.write_text(params.read_text() + "\n# An edit made on the branch.\n")
     git(tree, "commit", "-qa", f"--fixup={target.strip()}")
@@ -168,7 +179,7 @@ def test_refresh_after_an_edit_rewrites_that_patch_and_keeps_headers(
     outcome = refresh(tree, series_root=root)
 
     edited = [name for name in outcome.changed]
-    assert len(edited) == 1 and edited[0].startswith("0002-")
+    assert edited == [owner]
     text = (root / "v0.32.0" / edited[0]).read_text()
     assert "+# An edit made on the branch." in text
     first_patch = sorted((root / "v0.32.0").glob("0001-*.patch"))[0]

@@ -162,11 +162,13 @@ class Repo:
         return self.git("rev-parse", "HEAD").strip()
 
     def am(self, patch: Path) -> None:
-        """`git am` one patch mail onto the checked-out branch; on failure the am is
-        aborted (the branch stays where it was) and GitError raised."""
+        """`git am` one patch mail onto the checked-out branch, signed off by the
+        committer (the person staging: the DCO needs a person, so the series
+        itself carries no sign-off); on failure the am is aborted (the branch
+        stays where it was) and GitError raised."""
         try:
             # --keep-non-patch: a "[Core] ..." subject keeps its vLLM-style tag.
-            self.git("am", "-q", "--keep-non-patch", str(patch.resolve()))
+            self.git("am", "-q", "--keep-non-patch", "--signoff", str(patch.resolve()))
         except GitError:
             self.git("am", "--abort", check=False)
             raise

@@ -5,7 +5,8 @@ For each series (default: every `patches/v<X>/`):
 * series: every listed patch exists, no `*.patch` file is left unlisted;
 * header: a `[Tag] Subject` (vLLM's PR title style), a description, `Upstream-Status:`
   (Pending | Submitted <url> | Accepted <url> | Not-for-upstream [reason]),
-  `vLLM-Version: <X>`, a `Signed-off-by:` trailer (vLLM's DCO check) and, on a
+  `vLLM-Version: <X>`, no `Signed-off-by:` (the DCO needs a person: `vllm-hs
+  stage` signs each commit off as whoever stages it) and, on a
   fix proposed as its own PR rather than as part of the channel's,
   `Upstream-PR: separate`;
 * apply: `git am` onto the sdist of X (no fuzz: git needs exact context), and the
@@ -213,8 +214,11 @@ def header_problems(patch: Patch, version: str) -> list[str]:
         problems.append("no 'vLLM-Version:' field")
     elif target != version:
         problems.append(f"vLLM-Version {target} in the series for {version}")
-    if "Signed-off-by" not in patch.headers:
-        problems.append("no 'Signed-off-by:' trailer (vLLM's DCO check needs one)")
+    if "Signed-off-by" in patch.headers:
+        problems.append(
+            "a 'Signed-off-by:' trailer: the series carries none, vllm-hs stage "
+            "signs each commit off as the person staging it (the DCO needs a person)"
+        )
     pr = patch.headers.get("Upstream-PR")
     if pr is not None and pr != "separate":
         problems.append(

@@ -6,8 +6,9 @@ format-patch --zero-commit --no-signature --no-numbered --abbrev=12`, so an
 unchanged commit gives a byte-identical file, in any clone). The DEP-3-style
 header fields stay: a commit whose message lost `Upstream-Status:` gets the one
 its patch had (matched by subject), else `Pending`; `vLLM-Version:` is set to X,
-the release the branch is on. Other trailers (`Signed-off-by:`, `Upstream-PR:`)
-are kept as they are in the commit.
+the release the branch is on. `Signed-off-by:` trailers are dropped (stage adds
+the sign-off of whoever stages the series); others (`Upstream-PR:`) are kept as
+they are in the commit.
 The series file keeps its comment lines and revision unless --revision says
 otherwise.
 """
@@ -39,8 +40,9 @@ FORMAT_PATCH_OPTIONS = (
     "--no-numbered",
     "--abbrev=12",
 )
-# The trailers refresh writes itself (any earlier copy in the message is dropped).
-_OWN_FIELDS = ("Upstream-Status:", "vLLM-Version:")
+# The trailers refresh writes itself (any earlier copy in the message is dropped),
+# and the sign-off, which stage adds for the person staging.
+_OWN_FIELDS = ("Upstream-Status:", "vLLM-Version:", "Signed-off-by:")
 
 
 @dataclass(frozen=True)
