@@ -4,11 +4,13 @@
 #   1. a fresh virtual environment with upstream vllm==0.32.0 (CUDA) and vllm-hs
 #      with its [extract,test] extras;
 #   2. the patched wheel: vllm-hs wheel --vllm vllm==0.32.0 --install; status;
-#   3. tests/engine/test_gpu.py (both model runners, both engine modes, against
+#   3. tests/engine/test_gpu.py (Model Runner V2, both engine modes, against
 #      HF), JUnit XML into the results;
 #   4. the benchmark suites on a Llama-3.1-8B-shaped model (dummy weights,
-#      bf16, compiled with CUDA graphs) on Model Runner V2 (vLLM's GPU default)
-#      and V1 (forced), into benchmarks/results/v0.32.0-gpu/{mrv2,mrv1}/.
+#      bf16, compiled with CUDA graphs) on Model Runner V2 (vLLM's GPU default,
+#      forced; hidden states are an AuxOutput kind, which needs it: an engine
+#      on Model Runner V1 refuses hidden_states_config), into
+#      benchmarks/results/v0.32.0-gpu/mrv2/.
 # Commit what lands under the results folder.
 #
 # Usage: benchmarks/gpu.sh [--dry-run] [--venv DIR] [--out DIR] [--suites LIST]
@@ -89,7 +91,7 @@ fi
 run "$VENV/bin/vllm-hs" status
 
 if [[ $TESTS -eq 1 ]]; then
-  step "tests/engine/test_gpu.py (MRV2 and MRV1, in-process and multiprocess)"
+  step "tests/engine/test_gpu.py (MRV2, in-process and multiprocess)"
   run env VLLM_HS_EXPECT_PATCHED=1 "$PY" -m pytest -q tests/engine/test_gpu.py \
     --junitxml "$OUT/test_gpu.xml"
 fi
@@ -98,13 +100,10 @@ step "model shape $SHAPE (config only: --load-format dummy)"
 MODEL="$VLLM_HS_CACHE/shapes/$SHAPE"
 run "$PY" -m benchmarks.model_shapes "$SHAPE" "$MODEL"
 
-for runner in mrv2 mrv1; do
-  flag=$([[ $runner == mrv2 ]] && echo 1 || echo 0)
-  step "suites $SUITES on $runner"
-  run env VLLM_USE_V2_MODEL_RUNNER="$flag" "$PY" -m benchmarks run \
-    --suites "$SUITES" --model "$MODEL" --load-format dummy --dtype bfloat16 \
-    --compile --prompts 32 --prompt-len 1024 --max-tokens 32 \
-    --rounds "$ROUNDS" --out "$OUT/$runner"
-done
+step "suites $SUITES on mrv2"
+run env VLLM_USE_V2_MODEL_RUNNER=1 "$PY" -m benchmarks run \
+  --suites "$SUITES" --model "$MODEL" --load-format dummy --dtype bfloat16 \
+  --compile --prompts 32 --prompt-len 1024 --max-tokens 32 \
+  --rounds "$ROUNDS" --out "$OUT/mrv2"
 
 step "done in $((SECONDS - started)) s; results under $OUT"

@@ -1,13 +1,15 @@
 """Shared-system-prompt workload with prompt hidden states: prefix-cache hits
-served from the hidden-state prefix store (patch 0011, `prefix_cache_bytes`
-default) against recomputing every prompt (`prefix_cache_bytes=0`, what every
-prompt-state request did before 0011).
+served from the AuxOutput store (`hidden_states_config.store_bytes`, 1 GiB:
+rows of the engine's layers keyed by KV block hash) against recomputing every
+prompt (`store_bytes=0`: prompt-state requests never use prefix-cache hits).
 
 Each variant runs in its own process (one engine each), alternately, `--rounds`
 times. A process first sends one request (its rows fill the store), then
 `--batches` timed batches of `--prompts` requests: the same system prompt of
 `--system-len` tokens plus a fresh user part of `--user-len` tokens each,
-prefill only (max_tokens=1), prompt states of four layers.
+prefill only (max_tokens=1), prompt states of all four of the engine's layers
+(the store keeps only rows of requests asking for every layer; a hit whose
+rows it does not all hold is recomputed).
 
     python -m benchmarks.prefix_store [--model large] [--rounds 3]
 
@@ -50,7 +52,7 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
         seed=0,
         hidden_states_config={
             "layers": layers,
-            "prefix_cache_bytes": spec["prefix_cache_bytes"],
+            "store_bytes": spec["store_bytes"],
         },
     )
     vocab = sizes.get("vocab_size", 1024)
@@ -118,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, capacity in variants.items():
             row[name] = run_workload(
                 sys.executable,
-                {**base, "prefix_cache_bytes": capacity},
+                {**base, "store_bytes": capacity},
                 module="benchmarks.prefix_store",
                 flags=("--worker",),
             )

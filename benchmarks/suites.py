@@ -96,9 +96,9 @@ def engine_kwargs(settings: Settings, layers: list[Any] | None) -> dict[str, Any
         "max_model_len": settings.prompt_len + settings.max_tokens + 16,
         "enforce_eager": settings.eager,
         "load_format": settings.load_format,
-        # Rounds repeat the same prompts: with prefix caching, a side that may
-        # read the cache (plain requests) would skip work that a prompt-state
-        # request (which never reads it) does.
+        # Rounds repeat the same prompts: with prefix caching, plain requests
+        # would skip work that a prompt-state request does unless the
+        # AuxOutput store holds the hit's rows (`store_bytes`).
         "enable_prefix_caching": False,
         "seed": 0,
     }
@@ -375,7 +375,7 @@ NGRAM = {
 
 
 def speculative(settings: Settings) -> SuiteResult:
-    """Generation under ngram speculative decoding (Model Runner V1) with
+    """Generation under ngram speculative decoding (Model Runner V2) with
     4-layer prompt and output states against without, batches alternating on
     one patched engine; prompts end with 128 tokens of the model's own greedy
     continuation, so that drafts are found and accepted where it repeats
@@ -395,7 +395,7 @@ def speculative(settings: Settings) -> SuiteResult:
 
 
 def eagle3(settings: Settings) -> SuiteResult:
-    """Generation under EAGLE-3 speculative decoding (Model Runner V1, tiny
+    """Generation under EAGLE-3 speculative decoding (Model Runner V2, tiny
     model in float32) with 4-layer prompt and output states against without,
     batches alternating on one patched engine. The draft reads the target's
     layers 1, 2, 3 and the channel 1, 2, 3, 4 (one capture serves both); it is
@@ -453,7 +453,7 @@ def _speculation(
         variants={"plain": None, "states": {"prompt": True, "output": True}},
         engine=engine,
         spec_metrics=True,
-        env={"VLLM_USE_V2_MODEL_RUNNER": "0"},
+        env={"VLLM_USE_V2_MODEL_RUNNER": "1"},
         **spec_overrides,
     )
     out = run_workload(sys.executable, spec)["timings"]
@@ -510,7 +510,7 @@ time (noise made it as fast as plain, or faster): 100x memcpy, a cap that keeps
 the figure finite and ordered."""
 
 
-def transport(settings: Settings, output_arena: bool = True) -> list[SuiteResult]:
+def transport(settings: Settings) -> list[SuiteResult]:
     """Prefill only, every layer (0..L) of every prompt token, against the same
     batch without states, on one multiprocess engine, alternating batch by
     batch. Two figures from the same rounds:
@@ -518,19 +518,15 @@ def transport(settings: Settings, output_arena: bool = True) -> list[SuiteResult
     - transport: the wall time the states add, per byte delivered, as an
       effective bandwidth against this machine's memcpy (state bytes / (wall
       with states - wall without), over memcpy bytes/s measured in the same
-      process): what the channel's hops (capture copy in the worker, worker to
-      engine core, the engine core's buffer, engine core to frontend, the
-      output's tensor) cost beyond a single copy of the payload. The forward
-      pass is on both sides and cancels out. For scale, the same run times
-      one ZeroMQ IPC hop of the same bytes between two processes
-      (`ipc_hop_s`): vLLM's process boundaries are two such hops (worker to
-      engine core, engine core to frontend); each round also records the
-      extra time beyond two hops.
+      process): what the channel's hops (the worker's gather and copy to the
+      host, its buffer of a prompt's rows until they are complete, worker to
+      engine core, engine core to frontend, the output's tensor) cost beyond a
+      single copy of the payload. The forward pass is on both sides and
+      cancels out. For scale, the same run times one ZeroMQ IPC hop of the
+      same bytes between two processes (`ipc_hop_s`): vLLM's process
+      boundaries are two such hops (worker to engine core, engine core to
+      frontend); each round also records the extra time beyond two hops.
     - heavy_payload: throughput with all L+1 layers requested / without states.
-
-    `transport_socket` runs the same with the shared-memory output arena off
-    (`output_arena_bytes=0`): rows from the engine core to the frontend through
-    the output socket, as before patch 0020.
     """
     t0 = time.perf_counter()
     settings = dataclasses.replace(
@@ -547,7 +543,7 @@ def transport(settings: Settings, output_arena: bool = True) -> list[SuiteResult
         rounds=settings.rounds,
         max_tokens=1,
         variants={"plain": None, "states": {"prompt": True, "output": False}},
-        engine=_with_output_arena(engine_kwargs(settings, layers), output_arena),
+        engine=engine_kwargs(settings, layers),
         memcpy_mib=512,
         # The states of one batch: every layer of every prompt token.
         ipc_hop=settings.prompts
@@ -595,9 +591,8 @@ def transport(settings: Settings, output_arena: bool = True) -> list[SuiteResult
             flush=True,
         )
     what = f"all {len(layers)} layers, prefill"
-    suffix = "" if output_arena else "_socket"
     transport_result = _result(
-        "transport" + suffix,
+        "transport",
         (transport.__doc__ or "") + f"\n\nA round where the states side was not "
         f"slower counts as {TRANSPORT_CAP:g} (the cap).",
         settings,
@@ -616,7 +611,7 @@ def transport(settings: Settings, output_arena: bool = True) -> list[SuiteResult
         memcpy_bytes_per_s=bandwidth,
     )
     heavy = _result(
-        "heavy_payload" + suffix,
+        "heavy_payload",
         "throughput (tokens/s) of prefill with every layer's states of every prompt "
         "token against the same batch without states; same rounds as transport",
         settings,
@@ -853,7 +848,7 @@ def _native(settings: Settings, name: str) -> SuiteResult:
     """Prefill-only extraction to disk (max_tokens=1, states of every prompt
     token in `hs_{i}.safetensors` with hidden_states [T, K, H] and token_ids),
     the vllm-hs channel against vLLM's own extract_hidden_states +
-    ExampleHiddenStatesConnector (made to run on CPU by patch 0008), same
+    ExampleHiddenStatesConnector (made to run on CPU by patch 0002), same
     model, layers, dtype and engine settings; separate engine processes run
     alternately; each process runs a full-size warm-up batch, then times
     3 batches (their median is the process's figure).
@@ -871,7 +866,7 @@ def _native(settings: Settings, name: str) -> SuiteResult:
     generate call alone; on the native engine it includes the copy into the
     buffer, which cannot be switched off).
 
-    Patch 0008 makes the connector run on CPU; since series revision 2 it
+    Patch 0002 makes the connector run on CPU; since series revision 2 it
     also reports a CPU copy as done (before, get_finished took the None it
     stores for "no CUDA event" as "not tracked": the engine kept every
     finished request's KV blocks and kept stepping while idle; results before
@@ -1000,16 +995,6 @@ def native_omp_all(settings: Settings) -> SuiteResult:
     return _native(settings, "native_omp_all")
 
 
-def _with_output_arena(engine: dict[str, Any], on: bool) -> dict[str, Any]:
-    if not on:
-        engine["hidden_states_config"]["output_arena_bytes"] = 0
-    return engine
-
-
-def transport_socket(settings: Settings) -> list[SuiteResult]:
-    return transport(settings, output_arena=False)
-
-
 def native_default(settings: Settings) -> SuiteResult:
     return _native(settings, "native_default")
 
@@ -1049,7 +1034,6 @@ SUITES = {
     "capture": capture,
     "decode": decode,
     "transport": transport,
-    "transport_socket": transport_socket,
     "probe": probe,
     "speculative": speculative,
     "eagle3": eagle3,

@@ -181,7 +181,11 @@ def engine_facts(llm: Any) -> dict[str, Any]:
             "executor": str(c.parallel_config.distributed_executor_backend),
             "speculative_method": getattr(c.speculative_config, "method", None),
             "kv_connector": getattr(c.kv_transfer_config, "kv_connector", None),
-            "hidden_states_config": str(getattr(c, "hidden_states_config", None)),
+            # The channel's config (`LLM(hidden_states_config=...)`): an
+            # AuxOutput kind; None on an unpatched wheel.
+            "hidden_states_config": str(
+                getattr(getattr(c, "aux_output_config", None), "hidden_states", None)
+            ),
         }
     except Exception as e:  # a release with other config names
         facts["config_error"] = repr(e)

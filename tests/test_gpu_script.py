@@ -35,7 +35,6 @@ def test_dry_run_plan(tmp_path: Path) -> None:
         "pytest -q tests/engine/test_gpu.py",
         "-m benchmarks.model_shapes llama-3.1-8b",
         "VLLM_USE_V2_MODEL_RUNNER=1",
-        "VLLM_USE_V2_MODEL_RUNNER=0",
     ]
     positions = []
     for needle in expected_order:
@@ -43,7 +42,7 @@ def test_dry_run_plan(tmp_path: Path) -> None:
         assert found, f"no step runs {needle!r}:\n{result.stdout}"
         positions.append(found[0])
     assert positions == sorted(positions), result.stdout
-    for runner in ("mrv2", "mrv1"):
+    for runner in ("mrv2",):
         (bench,) = [c for c in commands if c.endswith(f"v0.32.0-gpu/{runner}")]
         assert bench.split()[2] == python
         for option in ("--load-format dummy", "--dtype bfloat16", "--compile"):
