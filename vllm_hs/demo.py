@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         outputs = llm.generate(list(DEMO_PROMPTS), params, use_tqdm=False)
         generate_s = time.perf_counter() - t0
-        layers = list(llm.llm_engine.vllm_config.hidden_states_config.layers)
+        layers = list(llm.llm_engine.vllm_config.aux_output_config.hidden_states.layers)
     finally:
         llm.llm_engine.engine_core.shutdown()
     rows = [

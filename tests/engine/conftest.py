@@ -55,7 +55,7 @@ def main_engine(request: pytest.FixtureRequest, llama_fp32: str):
         hidden_states_config={
             "layers": MAIN_LAYERS,
             "max_bytes_per_request": CAP_BYTES,
-            "prefix_cache_bytes": PREFIX_STORE_BYTES,
+            "store_bytes": PREFIX_STORE_BYTES,
         },
         max_num_batched_tokens=BUDGET,
         max_num_seqs=8,

@@ -32,9 +32,6 @@ from vllm_hs.testing.harness import (
 )
 
 CHECKED = [name for name, spec in ARCHITECTURES.items() if name != "deepseek_v2"]
-# Also checked on Model Runner V1 (all are on V2, the default): MoE, a hybrid,
-# sliding-window attention, and both generic captures.
-ON_MRV1 = {"qwen3_moe", "nemotron_h", "gemma3", "gpt2"}
 
 
 def _all_layer_ids(model_dir: str) -> list[int | str]:
@@ -66,7 +63,7 @@ def _generate(
     ) as llm:
         config = llm.llm_engine.vllm_config
         assert (config.compilation_config.mode == 0) == enforce_eager
-        assert config.hidden_states_config.generic_capture == spec.generic
+        assert config.aux_output_config.hidden_states.generic_capture == spec.generic
         outputs = llm.generate(
             [tokens_prompt(p) for p in prompts],
             greedy(5, hidden_states={}, detokenize=False),
@@ -75,13 +72,7 @@ def _generate(
     return prompts, outputs
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(n, marks=[pytest.mark.mrv1] if n in ON_MRV1 else [])
-        for n in CHECKED
-    ],
-)
+@pytest.mark.parametrize("name", CHECKED)
 def test_every_layer_id_matches_hf(name: str) -> None:
     _check_against_hf(name, enforce_eager=True)
 

@@ -16,14 +16,11 @@ from vllm_hs.testing.harness import (
     PREFIX_STORE_BLOCKS,
     Expect,
     check_output,
-    count_captured_packs,
     greedy,
     run_cases,
     seeded_prompt,
     tokens_prompt,
 )
-
-pytestmark = pytest.mark.mrv1
 
 DTYPE = torch.float32
 
@@ -57,51 +54,6 @@ def test_mixed_batch(main_engine, llama_fp32):
                 len(expect.layers),
                 128,
             )
-
-
-def test_decode_rows_cross_to_the_frontend_packed(main_engine, llama_fp32, monkeypatch):
-    """Decode steps of several requests with output states: on the
-    multiprocess engine the engine core sends each step's small rows as one
-    packed tensor (patch 0023), which the frontend's decoder unpacks; every
-    row still matches HF (prompt and output rows, two layer sets, FINAL_ONLY
-    outputs that keep rows across many steps). The in-process engine does not
-    serialize and never packs. There the capturer is seen too (in the
-    multiprocess engine it runs in the worker process): a batch whose
-    requests all ask for the engine's layers has its decode steps written as
-    one pack (patch 0024), a batch with layer subsets never."""
-    import vllm.v1.engine as engine_module
-
-    unpacked: list[int] = []
-    unpack = engine_module.unpack_output_rows
-
-    def counting_unpack(outputs):
-        unpacked.append(len(outputs.hidden_states_packs))
-        unpack(outputs)
-
-    monkeypatch.setattr(engine_module, "unpack_output_rows", counting_unpack)
-    captured_packs = count_captured_packs(monkeypatch)
-    llm, mode = main_engine
-    cases = [
-        (seeded_prompt(40 + i, 9 + 3 * i), greedy(20, hidden_states=states), expect)
-        for i, (states, expect) in enumerate(
-            [
-                ({}, Expect(MAIN_RESOLVED)),
-                ({"prompt": False}, Expect(MAIN_RESOLVED, prompt=False)),
-                ({"layers": [2, 0]}, Expect([2, 0])),
-                ({"layers": [2, 0], "prompt": False}, Expect([2, 0], prompt=False)),
-            ]
-        )
-    ]
-    run_cases(llm, cases, llama_fp32, DTYPE, f"[{mode}] packed decode")
-    if mode == "mp":
-        assert len(unpacked) >= 10, f"[{mode}] {len(unpacked)} packed messages"
-    else:
-        assert unpacked == []
-        assert captured_packs == [], f"[{mode}] layer subsets captured packed"
-    run_cases(llm, cases[:2], llama_fp32, DTYPE, f"[{mode}] captured packed")
-    if mode == "inproc":
-        # Decode steps of both requests, each captured as one pack.
-        assert captured_packs.count(2) >= 10, f"[{mode}] {captured_packs}"
 
 
 def test_chunked_prefill(main_engine, llama_fp32):
@@ -369,7 +321,7 @@ def test_aborts_leave_nothing_behind(main_engine, llama_fp32):
 def test_n_children_keep_skip_reading_prefix_cache(main_engine):
     """n>1: only the first child computes prompt states, and a user's
     skip_reading_prefix_cache holds for every child as set (prompt states do
-    not force a skip: rows of a hit come from the prefix store)."""
+    not force a skip: rows of a hit come from the AuxOutput store)."""
     from vllm import SamplingParams
 
     llm, mode = main_engine

@@ -37,8 +37,6 @@ SPEC_METRICS = (
     "vllm:spec_decode_num_draft_tokens",
     "vllm:spec_decode_num_accepted_tokens",
 )
-pytestmark = pytest.mark.mrv1
-
 ENGINE_ARGS = {
     "dtype": "float32",
     "max_model_len": 256,

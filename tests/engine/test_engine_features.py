@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 
 from vllm_hs.testing.harness import (
     MODES,
     Expect,
-    check_output,
     engine,
     engine_metric,
     greedy,
@@ -19,7 +16,6 @@ from vllm_hs.testing.harness import (
 )
 
 
-@pytest.mark.mrv1
 @pytest.mark.parametrize("mode", MODES)
 def test_preemption_and_recompute(mode, llama_fp32):
     """A KV cache of 320 tokens for 6 requests of 80: requests are preempted
@@ -91,32 +87,17 @@ def test_qwen3_bf16(mode, qwen3_bf16):
 PARALLEL_LAYERS = [0, 2, 3, "final_norm"]
 
 
-@pytest.mark.mrv1
 @pytest.mark.parametrize("parallel", ["tp2", "pp2"])
 def test_parallel_workers(parallel, llama_fp32, monkeypatch):
     """Two CPU workers (multiprocess). Tensor parallel: only the output rank
-    captures, rows equal HF on both runners. Pipeline parallel (layers 0-1 on
-    the first stage, 2-3 and the final norm on the second): Model Runner V2
-    relays the first stage's ids to the last, where rows are captured; Model
-    Runner V1 cannot, and refuses the engine."""
-    from vllm_hs.testing import expected_model_runner
-
+    captures, rows equal HF. Pipeline parallel (layers 0-1 on the first stage,
+    2-3 and the final norm on the second): Model Runner V2 relays the first
+    stage's ids to the last, where rows are captured."""
     # Two workers on this one-NUMA-node machine: one core each.
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     size = {"tensor_parallel_size": 2} if parallel == "tp2" else {}
     if parallel == "pp2":
         size = {"pipeline_parallel_size": 2}
-        if expected_model_runner() == "v1":
-            with pytest.raises(Exception, match="pipeline parallelism needs Model"):
-                with engine(
-                    llama_fp32,
-                    "mp",
-                    dtype="float32",
-                    hidden_states_config={"layers": PARALLEL_LAYERS},
-                    **size,
-                ):
-                    pass
-            return
     with engine(
         llama_fp32,
         "mp",
@@ -140,58 +121,3 @@ def test_parallel_workers(parallel, llama_fp32, monkeypatch):
             ),
         ]
         run_cases(llm, cases, llama_fp32, torch.float32, f"[{parallel}] req")
-
-
-def _in_output_arena(llm, rows: torch.Tensor) -> bool:
-    import numpy as np
-
-    arena = llm.llm_engine.engine_core.output_arena
-    base = np.frombuffer(arena._mmap, np.uint8).ctypes.data
-    return base <= rows.untyped_storage().data_ptr() < base + len(arena._mmap)
-
-
-def test_rows_through_shared_memory_held_reused_and_overflowed(llama_fp32):
-    """Multiprocess engine, 4 MiB output arena, prompts of 1.2 MiB of rows in
-    one step each. Worker to engine core: rows of 1 MiB or more go through the
-    worker's shared-memory step buffers. Engine core to frontend: rows come as
-    views of the output arena; while the caller holds them the arena fills and
-    further rows take the socket; rows held are never overwritten; once
-    dropped, their space serves new rows. Every row against HF, the held ones
-    again after the next batches."""
-    layers = [0, 1, 2, 3, 4, "final_norm"]  # 3 KiB of rows per token
-    hs = {"output": False}
-    with engine(
-        llama_fp32,
-        "mp",
-        dtype="float32",
-        hidden_states_config={"layers": layers, "output_arena_bytes": 4 << 20},
-        max_num_batched_tokens=2048,
-        max_num_seqs=8,
-    ) as llm:
-        assert llm.collective_rpc("hidden_states_row_pool") == ["SharedRowsPool"]
-        expect = Expect(layers, output=False)
-
-        def batch(first_seed: int, count: int) -> list:
-            cases = [
-                (
-                    seeded_prompt(first_seed + i, 400),
-                    greedy(2, hidden_states=hs),
-                    expect,
-                )
-                for i in range(count)
-            ]
-            return run_cases(llm, cases, llama_fp32, torch.float32, f"{first_seed}+")
-
-        def arena_rows(outputs: list) -> list[bool]:
-            return [_in_output_arena(llm, out.prompt_hidden_states) for out in outputs]
-
-        held = batch(300, 5)  # 6 MiB in one step: three fit
-        assert sum(arena_rows(held)) == 3
-        overflow = batch(310, 2)  # the arena is full of held rows
-        assert arena_rows(overflow) == [False] * 2
-        for i, out in enumerate(held):
-            check_output(out, llama_fp32, expect, torch.float32, f"held {i}")
-        del held, overflow, out
-        gc.collect()
-        reused = batch(320, 3)
-        assert arena_rows(reused) == [True] * 3

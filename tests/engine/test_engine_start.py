@@ -14,7 +14,6 @@ from vllm_hs.testing.harness import (
     check_output,
     engine,
     greedy,
-    run_cases,
     seeded_prompt,
     tokens_prompt,
 )
@@ -63,7 +62,7 @@ def test_default_config_is_eagle3_layers_plus_last(llama_fp32):
         hidden_states_config={},
         enforce_eager=True,
     ) as llm:
-        hs_config = llm.llm_engine.vllm_config.hidden_states_config
+        hs_config = llm.llm_engine.vllm_config.aux_output_config.hidden_states
         assert hs_config.layers == [2, 1, 4]
         resolved = hs_config.layers
         # A per-request cap by default (2 GiB): 3000 samples of 499 rows of
@@ -219,38 +218,3 @@ def test_final_norm_works_on_any_model(gpt2_dir):
     assert_states_close(
         rows, ref[:, None, :], dtype=torch.float32, what="gpt2 final_norm"
     )
-
-
-def test_model_runner_v1_can_still_be_forced(llama_fp32, monkeypatch):
-    """Where Model Runner V2 is the default (the patched CPU wheel, GPUs), an
-    engine with the channel runs on it, and a user can still force V1
-    (VLLM_USE_V2_MODEL_RUNNER=0): rows equal HF there too."""
-    import vllm.envs
-
-    from vllm_hs.testing import expected_model_runner
-
-    if expected_model_runner() == "v1":
-        pytest.skip("the V1 session runs every test on V1 already")
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
-    vllm.envs.disable_envs_cache()  # an earlier in-process engine cached them
-    layers = [1, "final_norm"]
-    try:
-        # engine() checks the workers run the runner the environment forces.
-        with engine(
-            llama_fp32,
-            "inproc",
-            dtype="float32",
-            hidden_states_config={"layers": layers},
-            max_model_len=256,
-            kv_cache_memory_bytes=32 << 20,
-        ) as llm:
-            assert llm.collective_rpc("model_runner_kind") == ["v1"]
-            run_cases(
-                llm,
-                [(seeded_prompt(40, 30), greedy(4, hidden_states={}), Expect(layers))],
-                llama_fp32,
-                torch.float32,
-                "forced V1",
-            )
-    finally:
-        vllm.envs.disable_envs_cache()

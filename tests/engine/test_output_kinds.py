@@ -99,7 +99,6 @@ def check_stream(outputs: list, kind: str, n: int, model_dir: str, what: str) ->
         )
 
 
-@pytest.mark.mrv1
 def test_output_kinds_async_llm(llama_fp32):
     """AsyncLLM.generate, as the server uses it (multiprocess engine)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -176,7 +175,6 @@ def test_output_kinds_async_llm(llama_fp32):
             assert len(outputs) < num_tokens, f"{what}: no output was merged"
 
 
-@pytest.mark.mrv1
 @pytest.mark.parametrize("kind", KINDS)
 def test_output_kinds_llm_engine_inproc(llama_fp32, kind):
     """LLMEngine in-process (no serialization), stepping by hand."""

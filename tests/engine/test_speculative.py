@@ -32,8 +32,6 @@ NGRAM = {
 }
 DTYPE = torch.float32
 
-pytestmark = pytest.mark.mrv1
-
 
 @pytest.fixture(scope="module", params=speculation_modes())
 def spec_engine(request, llama_fp32):

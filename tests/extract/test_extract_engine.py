@@ -56,7 +56,6 @@ def hs_metadata(path: Path) -> dict[str, Any]:
         return json.loads(f.metadata()["vllm_hs"])
 
 
-@pytest.mark.mrv1
 def test_states_equal_hf_per_sample(reference, conversations, model_dir, tokenizer):
     data, files = load_output(reference)
     assert data.column_names == ["input_ids", "loss_mask", "seq_len"]
@@ -416,7 +415,6 @@ def test_bad_states_are_rejected_never_written(
     assert manifest["rejected"] == 2 and manifest["samples"] == 6
 
 
-@pytest.mark.mrv1
 def test_regenerate_states_equal_hf_on_generated_tokens(
     llm, tmp_path, run_extract, model_dir, tokenizer
 ):

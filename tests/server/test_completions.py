@@ -24,7 +24,6 @@ PROMPT = "The small cat sat by the river and looked at the"
 
 pytestmark = [
     pytest.mark.parametrize("stream", [False, True], ids=["full", "stream"]),
-    pytest.mark.mrv1,
 ]
 
 

@@ -8,7 +8,6 @@ import time
 from typing import Any
 
 import httpx
-import pytest
 
 from vllm_hs.testing.harness import seeded_prompt
 from vllm_hs.testing.server import (
@@ -104,7 +103,6 @@ def good_request(server: Any, model: str, model_dir: str, stream: bool) -> None:
     check(model_dir, got, Want(), f"after disconnects ({stream=})", stream=stream)
 
 
-@pytest.mark.mrv1
 def test_disconnects_free_requests(hs_server, served_model, model_dir):
     log_start = hs_server.log_path.stat().st_size
     for i in range(WARMUP):

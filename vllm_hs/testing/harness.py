@@ -91,6 +91,26 @@ def engine(model_dir: str, mode: str = "inproc", **kwargs: Any) -> Iterator[Any]
         cleanup_dist_env_and_memory()
 
 
+@contextlib.contextmanager
+def async_scheduling_on_cpu() -> Iterator[None]:
+    """Engines made inside have async scheduling on, as on vLLM's GPU default:
+    set after the CPU platform's config pass, which turns it off. The config is
+    built in this process, so the multiprocess engine core gets it too."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    original = CpuPlatform.__dict__["check_and_update_config"]
+
+    def check_and_update_config(cls: Any, vllm_config: Any) -> None:
+        original.__func__(cls, vllm_config)
+        vllm_config.scheduler_config.async_scheduling = True
+
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+    try:
+        yield
+    finally:
+        CpuPlatform.check_and_update_config = original
+
+
 def expected_model_runner() -> str:
     """The model runner vLLM selects for this process's engines: the one
     `VLLM_USE_V2_MODEL_RUNNER` forces, else "v2" (Model Runner V2) where its
@@ -144,16 +164,9 @@ class ChannelStateProbe:
         return "v2" if isinstance(self.model_runner, ModelRunnerV2) else "v1"
 
     def hidden_states_request_ids(self) -> list[str]:
-        capturer = getattr(self.model_runner, "hidden_states_capturer", None)
-        return [] if capturer is None else sorted(capturer.request_ids)
-
-    def hidden_states_row_pool(self) -> str:
-        """The capturer's step-buffer pool: "SharedRowsPool" (shared memory,
-        a worker process on the engine core's host), "HostRowsPool" or
-        "none"."""
-        capturer = getattr(self.model_runner, "hidden_states_capturer", None)
-        pool = getattr(capturer, "_host_pool", None)
-        return "none" if pool is None else type(pool).__name__
+        connector = getattr(self.model_runner, "aux_output_connector", None)
+        worker = getattr(connector, "hidden_states", None)
+        return [] if worker is None else sorted(worker.request_ids)
 
 
 def poll_until_empty(
@@ -185,23 +198,6 @@ def tokens_prompt(token_ids: Sequence[int]) -> Any:
     from vllm.inputs import TokensPrompt
 
     return TokensPrompt(prompt_token_ids=list(token_ids))
-
-
-def count_captured_packs(monkeypatch: Any) -> list[int]:
-    """From now on, the number of requests in each step the capturer hands on
-    as one pack (`StepChunks.packed`, patches 0024 and 0027), when it runs in
-    this process (the in-process engine)."""
-    from vllm.v1.hidden_states.step_chunks import StepChunks
-
-    counts: list[int] = []
-    packed = StepChunks.packed
-
-    def counting_packed(req_ids: Any, starts: Any, row_counts: Any, rows: Any) -> Any:
-        counts.append(len(req_ids))
-        return packed(req_ids, starts, row_counts, rows)
-
-    monkeypatch.setattr(StepChunks, "packed", staticmethod(counting_packed))
-    return counts
 
 
 def seeded_prompt(seed: int, length: int, vocab: int = 1024, low: int = 8) -> list[int]:

@@ -1,0 +1,105 @@
+"""Hidden states under async scheduling, vLLM's default on GPU: the scheduler
+plans step N+1 before step N's tokens are known, optimistically past drafts
+that may be rejected. Model Runner V2 on CPU with async scheduling turned back
+on after the platform's config pass, with and without ngram speculation (both
+accepted and rejected drafts), every row against HF."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_hs.hf_reference import hf_greedy
+from vllm_hs.testing.harness import (
+    MODES,
+    Expect,
+    async_scheduling_on_cpu,
+    engine,
+    engine_metric,
+    greedy,
+    repeated_prompt,
+    run_cases,
+)
+
+RESOLVED = [0, 2, 4, "final_norm"]
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 3,
+}
+
+
+# The multiprocess engine core validates its config again when it starts, and
+# vLLM refuses async scheduling with the CPU's ngram proposer there (only its
+# GPU ngram proposer supports it): async with speculation runs in-process.
+ENGINES = [("inproc", "ngram"), ("inproc", "none"), ("mp", "none")]
+assert {mode for mode, _ in ENGINES} == set(MODES)
+
+
+@pytest.fixture(scope="module", params=ENGINES, ids=lambda p: f"{p[0]}-{p[1]}")
+def async_engine(request, llama_fp32):
+    mode, spec = request.param
+    extra = {"speculative_config": NGRAM} if spec == "ngram" else {}
+    with (
+        async_scheduling_on_cpu(),
+        engine(
+            llama_fp32,
+            mode,
+            dtype="float32",
+            hidden_states_config={"layers": [0, 2, -1, "final_norm"]},
+            max_model_len=256,
+            block_size=32,
+            kv_cache_memory_bytes=640 * 2048,  # 2 KiB of KV per token in this model
+            max_num_batched_tokens=64,
+            max_num_seqs=8,
+            enable_prefix_caching=True,
+            disable_log_stats=False,
+            enforce_eager=True,
+            **extra,
+        ) as llm,
+    ):
+        config = llm.llm_engine.vllm_config
+        assert config.scheduler_config.async_scheduling
+        assert config.use_v2_model_runner
+        yield llm, f"{mode} async {spec}", spec
+
+
+def test_rows_equal_hf(async_engine, llama_fp32):
+    """Mixed batches (all rows, output only, windows, the last row, a layer
+    subset, no states) of repetitive prompts: with ngram, drafts are accepted
+    (several rows a step) and rejected (rows dropped, the next step scheduled
+    past them); under preemption too (8 x 100 tokens in a 640-token cache)."""
+    llm, what, spec = async_engine
+    draft_metric = "vllm:spec_decode_num_draft_tokens"
+    accepted_metric = "vllm:spec_decode_num_accepted_tokens"
+    if spec == "ngram":
+        drafts_before = engine_metric(llm, draft_metric)
+        accepted_before = engine_metric(llm, accepted_metric)
+    preemptions_before = engine_metric(llm, "vllm:num_preemptions")
+    windows = [[20, 30], [45, 70]]
+    cases = []
+    for i in range(8):
+        prompt = repeated_prompt(500 + i, 60, 5 + i % 3)
+        hs, expect = {
+            0: ({}, Expect(RESOLVED)),
+            1: ({"prompt": False}, Expect(RESOLVED, prompt=False)),
+            2: (None, None),
+            3: ({"positions": windows}, Expect(RESOLVED, positions=windows)),
+            4: ({"positions": "last"}, Expect(RESOLVED, positions="last")),
+            5: ({"layers": ["final_norm", 0]}, Expect(["final_norm", 0])),
+            6: ({}, Expect(RESOLVED)),
+            7: ({"prompt": False}, Expect(RESOLVED, prompt=False)),
+        }[i]
+        cases.append((prompt, greedy(40, hidden_states=hs), expect))
+    outputs = run_cases(llm, cases, llama_fp32, torch.float32, f"[{what}]")
+    for i, (out, (prompt, sp, _)) in enumerate(zip(outputs, cases, strict=True)):
+        assert out.outputs[0].finish_reason == "length", (what, i)
+        assert list(out.outputs[0].token_ids) == hf_greedy(
+            llama_fp32, prompt, sp.max_tokens
+        ), f"[{what}] request {i}: tokens differ from HF greedy"
+    assert engine_metric(llm, "vllm:num_preemptions") > preemptions_before
+    if spec == "ngram":
+        drafts = engine_metric(llm, draft_metric) - drafts_before
+        accepted = engine_metric(llm, accepted_metric) - accepted_before
+        assert 0 < accepted < drafts, (accepted, drafts)
