@@ -12,6 +12,8 @@ import torch
 from vllm_hs.hf_reference import hf_greedy
 from vllm_hs.testing.harness import (
     MODES,
+    NGRAM,
+    PREEMPTING,
     Expect,
     async_scheduling_on_cpu,
     engine,
@@ -22,12 +24,6 @@ from vllm_hs.testing.harness import (
 )
 
 RESOLVED = [0, 2, 4, "final_norm"]
-NGRAM = {
-    "method": "ngram",
-    "num_speculative_tokens": 3,
-    "prompt_lookup_min": 1,
-    "prompt_lookup_max": 3,
-}
 
 
 # The multiprocess engine core validates its config again when it starts, and
@@ -48,14 +44,8 @@ def async_engine(request, llama_fp32):
             mode,
             dtype="float32",
             hidden_states_config={"layers": [0, 2, -1, "final_norm"]},
-            max_model_len=256,
-            block_size=32,
-            kv_cache_memory_bytes=640 * 2048,  # 2 KiB of KV per token in this model
-            max_num_batched_tokens=64,
-            max_num_seqs=8,
             enable_prefix_caching=True,
-            disable_log_stats=False,
-            enforce_eager=True,
+            **PREEMPTING,
             **extra,
         ) as llm,
     ):

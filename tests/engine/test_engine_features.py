@@ -7,6 +7,7 @@ import torch
 
 from vllm_hs.testing.harness import (
     MODES,
+    PREEMPTING,
     Expect,
     engine,
     engine_metric,
@@ -27,13 +28,7 @@ def test_preemption_and_recompute(mode, llama_fp32):
         mode,
         dtype="float32",
         hidden_states_config={"layers": layers},
-        max_model_len=256,
-        block_size=32,
-        kv_cache_memory_bytes=320 * 2048,  # 2 KiB of KV per token in this model
-        max_num_batched_tokens=64,
-        max_num_seqs=6,
-        disable_log_stats=False,
-        enforce_eager=True,
+        **{**PREEMPTING, "kv_cache_memory_bytes": 320 * 2048, "max_num_seqs": 6},
     ) as llm:
         cases = []
         windows = [[30, 45], [60, 70]]  # across the prompt's end (40)

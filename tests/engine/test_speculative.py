@@ -12,6 +12,8 @@ import torch
 
 from vllm_hs.hf_reference import hf_greedy
 from vllm_hs.testing.harness import (
+    NGRAM,
+    PREEMPTING,
     Expect,
     check_stop_inside_drafts,
     engine,
@@ -24,12 +26,6 @@ from vllm_hs.testing.harness import (
 
 LAYERS = [0, 2, -1, "final_norm"]
 RESOLVED = [0, 2, 4, "final_norm"]
-NGRAM = {
-    "method": "ngram",
-    "num_speculative_tokens": 3,
-    "prompt_lookup_min": 1,
-    "prompt_lookup_max": 3,
-}
 DTYPE = torch.float32
 
 
@@ -43,13 +39,7 @@ def spec_engine(request, llama_fp32):
         dtype="float32",
         hidden_states_config={"layers": LAYERS},
         speculative_config=NGRAM,
-        max_model_len=256,
-        block_size=32,
-        kv_cache_memory_bytes=640 * 2048,  # 2 KiB of KV per token in this model
-        max_num_batched_tokens=64,
-        max_num_seqs=8,
-        disable_log_stats=False,
-        enforce_eager=True,
+        **PREEMPTING,
     ) as llm:
         yield llm, request.param
 

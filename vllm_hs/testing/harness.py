@@ -41,6 +41,27 @@ PREFIX_STORE_BLOCKS = 4  # rows of 32-token blocks the main engine keeps
 PREFIX_STORE_BYTES = PREFIX_STORE_BLOCKS * 32 * ROW_BYTES
 
 
+NGRAM: dict[str, Any] = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 3,
+}
+"""ngram speculation with 3 drafts (finds drafts in `repeated_prompt` text)."""
+
+PREEMPTING: dict[str, Any] = dict(
+    max_model_len=256,
+    block_size=32,
+    kv_cache_memory_bytes=640 * 2048,  # 2 KiB of KV per token in the tiny llama
+    max_num_batched_tokens=64,
+    max_num_seqs=8,
+    disable_log_stats=False,
+    enforce_eager=True,
+)
+"""Engine options of a 640-token KV cache for up to 8 requests: preemptions
+under load, chunked prefill of 64 tokens, metrics on."""
+
+
 def patched_vllm_skip_reason() -> str:
     """'' when the importable vLLM has the hidden-state channel, else why not.
 
