@@ -57,7 +57,12 @@ def test_stage_makes_one_commit_per_patch_on_the_release_tag(
         assert subject == " ".join(header.group(1).split())  # [Tag] kept by git am
         assert subject.startswith("[")
     bodies = git(tree, "log", "--format=%B", "v0.32.0..hidden-states-v0.32.0")
-    assert bodies.count("Upstream-Status: Pending") == len(series.patches)
+    statuses = [patch.headers["Upstream-Status"] for patch in series.patches]
+    assert set(statuses) <= {"Pending", "Not-for-upstream"}
+    assert bodies.count("Upstream-Status: ") == len(series.patches)
+    assert bodies.count("Upstream-Status: Pending") == statuses.count("Pending")
+    # Not-for-upstream patches come last.
+    assert statuses == sorted(statuses, key=lambda status: status != "Pending")
     assert bodies.count("vLLM-Version: 0.32.0") == len(series.patches)
     # The series carries no sign-off; each commit is signed off by whoever
     # staged it (the DCO needs a person), here the committer identity.
@@ -90,6 +95,35 @@ def test_footprint_splits_upstream_files_from_new_files(staged_032: StagedTree) 
     )
 
 
+def test_review_sizes_count_vllm_lines_per_patch(staged_032: StagedTree) -> None:
+    tree = staged_032.repo.path
+    sizes = staged_032.review_sizes()
+    series = staged_032.series
+    assert [size.patch for size in sizes] == [patch.name for patch in series.patches]
+    numstat = git(tree, "diff", "--numstat", "v0.32.0", "hidden-states-v0.32.0")
+    final = sum(
+        int(added) + int(removed)
+        for added, removed, path in (line.split("\t") for line in numstat.splitlines())
+        if path.startswith("vllm/")
+    )
+    # Patch by patch counts at least the final diff (later patches may change
+    # lines earlier ones added).
+    assert sum(size.lines for size in sizes) >= final > 0
+    by_name = {patch.name: patch for patch in series.patches}
+    for size in sizes:
+        headers = by_name[size.patch].headers
+        assert size.channel == (
+            headers["Upstream-Status"] == "Pending"
+            and headers.get("Upstream-PR") != "separate"
+        )
+    channel = [size.patch for size in sizes if size.channel]
+    assert channel and not any(
+        by_name[name].headers.get("Upstream-PR") for name in channel
+    )
+    separate = [p.name for p in series.patches if p.headers.get("Upstream-PR")]
+    assert separate and not set(separate) & set(channel)
+
+
 def test_stage_cli_prints_diffstat_and_footprint(
     tmp_path: Path, sdist, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -99,6 +133,7 @@ def test_stage_cli_prints_diffstat_and_footprint(
     out = capsys.readouterr().out
     assert "vllm/v1/core/sched/scheduler.py" in out
     assert "footprint:" in out and "existing upstream files" in out
+    assert "review size" in out and "the channel's own patches:" in out
     assert "branch hidden-states-v0.32.0" in out
     # Staging again into the same place is refused, not merged into.
     assert main([*argv, "--dest", str(dest)]) == 1

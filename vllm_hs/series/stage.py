@@ -72,6 +72,60 @@ class Footprint:
 
 
 @dataclass(frozen=True)
+class ReviewSize:
+    """One patch as a reviewer reads it: the lines it adds or removes in `vllm/`
+    (tests and other top-level folders excluded)."""
+
+    patch: str
+    lines: int
+    # The channel's own change: Upstream-Status Pending and not a separate fix
+    # (Upstream-PR: separate), i.e. neither a fix vLLM needs anyway nor
+    # Not-for-upstream.
+    channel: bool
+
+
+def review_sizes(repo: Repo, base: str, head: str, series: Series) -> list[ReviewSize]:
+    """Per patch of `series`, applied as the commits base..head, one each."""
+    commits = repo.git("rev-list", "--reverse", f"{base}..{head}").split()
+    if len(commits) != len(series.patches):
+        raise VllmHsError(
+            f"{base}..{head} has {len(commits)} commits for the "
+            f"{len(series.patches)} patches of series {series.name}"
+        )
+    sizes = []
+    for commit, patch in zip(commits, series.patches, strict=True):
+        numstat = repo.git("show", "--numstat", "--format=", commit, "--", "vllm/")
+        lines = sum(
+            int(added) + int(removed)
+            for added, removed, _ in (
+                line.split("\t", 2) for line in numstat.splitlines() if line
+            )
+            if added != "-"
+        )
+        channel = (
+            patch.headers.get("Upstream-Status") == "Pending"
+            and patch.headers.get("Upstream-PR") != "separate"
+        )
+        sizes.append(ReviewSize(patch.name, lines, channel))
+    return sizes
+
+
+def describe_review_sizes(sizes: list[ReviewSize]) -> str:
+    rows = [
+        f"  {size.lines:6d}  {'channel' if size.channel else '       '}  {size.patch}"
+        for size in sizes
+    ]
+    channel = sum(size.lines for size in sizes if size.channel)
+    return "\n".join(
+        [
+            "review size (lines added or removed in vllm/ per patch, tests excluded):",
+            *rows,
+            f"the channel's own patches: {channel} lines",
+        ]
+    )
+
+
+@dataclass(frozen=True)
 class StagedTree:
     repo: Repo
     version: str  # X, the release staged on
@@ -84,6 +138,9 @@ class StagedTree:
     def footprint(self) -> Footprint:
         return footprint(self.repo, self.base, self.branch)
 
+    def review_sizes(self) -> list[ReviewSize]:
+        return review_sizes(self.repo, self.base, self.branch, self.series)
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -93,8 +150,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "Make vLLM's source release X a git repository at that release (tag "
             "v<X>) and apply the series as one commit per patch on a new branch "
             "hidden-states-v<X>, ready to push as a pull request. Prints the "
-            "diffstat and the footprint: lines changed in existing upstream files "
-            "against lines in new files."
+            "diffstat, the footprint (lines changed in existing upstream files "
+            "against lines in new files) and each patch's review size (lines it "
+            "changes in vllm/, tests excluded; the channel's own patches summed)."
         ),
         epilog=(
             "examples:\n"
@@ -173,6 +231,7 @@ def run_stage(args: argparse.Namespace) -> int:
         return 1
     print(staged.repo.git("diff", "--stat=100", staged.base, staged.branch).rstrip())
     print(staged.footprint().describe())
+    print(describe_review_sizes(staged.review_sizes()))
     print(
         f"branch {staged.branch} in {where}: {len(staged.series.patches)} commits "
         f"on {staged.base} (series {staged.series.name} revision "
