@@ -43,6 +43,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "vllm_hs.extract.cli",
     "vllm_hs.series.stage",
     "vllm_hs.series.refresh",
+    "vllm_hs.series.port",
     "vllm_hs.series.lint",
     "vllm_hs.series.upstream_tests",
 )

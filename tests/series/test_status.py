@@ -12,7 +12,11 @@ import pytest
 from vllm_hs.cli import main
 from vllm_hs.series import status as status_module
 from vllm_hs.series.apply import apply_series
-from vllm_hs.series.status import installed_status, tree_status
+from vllm_hs.series.status import (
+    installed_status,
+    newer_release_warning,
+    tree_status,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -125,3 +129,15 @@ def test_installed_status_finds_the_importable_tree(
     status = installed_status()
     assert status.tree == str(tree.resolve())
     assert status.vllm_version == "0.32.0"
+
+
+def test_a_newer_vllm_release_is_a_warning(tmp_path: Path) -> None:
+    for version in ("0.32.0", "0.33.0"):
+        (tmp_path / f"v{version}").mkdir()
+    assert newer_release_warning(tmp_path, ["0.31.0", "0.33.0"]) is None
+    warning = newer_release_warning(tmp_path, ["0.9.0", "0.34.0", "0.33.1"])
+    assert warning == (
+        "vLLM 0.34.0 is released; the newest series is v0.33.0: "
+        "vllm-hs port --from 0.33.0 --to 0.34.0"
+    )
+    assert newer_release_warning(tmp_path / "none", ["1.0.0"]) is None

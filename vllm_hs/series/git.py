@@ -189,11 +189,12 @@ class Repo:
         return not self.git("status", "--porcelain", "--untracked-files=no").strip()
 
     def in_progress(self) -> bool:
-        """Whether a rebase or an am stopped half way."""
+        """Whether a rebase, an am or a cherry-pick stopped half way."""
         git_dir = Path(self.git("rev-parse", "--absolute-git-dir").strip())
-        return (git_dir / "rebase-merge").exists() or (
-            git_dir / "rebase-apply"
-        ).exists()
+        return any(
+            (git_dir / name).exists()
+            for name in ("rebase-merge", "rebase-apply", "CHERRY_PICK_HEAD")
+        )
 
     def config_set(self, key: str, value: str) -> None:
         self.git("config", key, value)

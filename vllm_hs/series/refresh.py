@@ -130,7 +130,9 @@ def refresh(
     if repo.rev(base) is None:
         raise VllmHsError(f"{tree} has no {base}")
     if repo.in_progress():
-        raise VllmHsError(f"{tree} is in the middle of a rebase or am; finish it first")
+        raise VllmHsError(
+            f"{tree} is in the middle of a rebase, am or cherry-pick; finish it first"
+        )
     if not repo.is_clean():
         raise VllmHsError(f"{tree} has uncommitted changes; commit them first")
     if repo.git("rev-list", "--merges", f"{base}..HEAD").strip():

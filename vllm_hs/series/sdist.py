@@ -92,17 +92,39 @@ def unpack_sdist(archive: Path, dest: Path) -> Path:
     return dest
 
 
+def released_versions(timeout: float = 60) -> list[str]:
+    """The final releases of vLLM with an sdist on the index, oldest first."""
+    _, files = _index_files(timeout)
+    versions = {
+        match.group(1)
+        for name, _, _ in files
+        if (match := re.fullmatch(rf"{PROJECT}-(\d+(?:\.\d+)*)\.tar\.gz", name))
+    }
+    return sorted(versions, key=lambda v: tuple(int(part) for part in v.split(".")))
+
+
 def _find_on_index(version: str) -> tuple[str, str | None]:
     """(download URL, sha256 or None) of the sdist of `version` on the index."""
-    page_url = f"{index_url()}/{PROJECT}/"
     filename = sdist_filename(version)
+    page_url, files = _index_files()
+    for name, url, sha256 in files:
+        if name == filename:
+            return url, sha256
+    raise VllmHsError(
+        f"{filename} is not on {page_url} (is {version} a released vLLM version?)"
+    )
+
+
+def _index_files(timeout: float = 60) -> tuple[str, list[tuple[str, str, str | None]]]:
+    """(the project page's URL, its files: (name, absolute URL, sha256 or None))."""
+    page_url = f"{index_url()}/{PROJECT}/"
     if page_url.startswith("file:"):
         page_url += "index.html"
     request = urllib.request.Request(
         page_url, headers={"Accept": f"{_JSON_ACCEPT}, text/html;q=0.1"}
     )
     try:
-        with urllib.request.urlopen(request, timeout=60) as response:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
             content_type = response.headers.get("Content-Type", "")
             body = response.read()
             final_url = response.geturl()
@@ -116,12 +138,10 @@ def _find_on_index(version: str) -> tuple[str, str | None]:
         ]
     else:
         files = _LinkParser.files(body.decode("utf-8", errors="replace"))
-    for name, url, sha256 in files:
-        if name == filename:
-            return urllib.parse.urljoin(final_url, url), sha256
-    raise VllmHsError(
-        f"{filename} is not on {page_url} (is {version} a released vLLM version?)"
-    )
+    return page_url, [
+        (name, urllib.parse.urljoin(final_url, url), sha256)
+        for name, url, sha256 in files
+    ]
 
 
 class _LinkParser(HTMLParser):

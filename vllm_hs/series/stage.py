@@ -5,10 +5,9 @@ patch (`git am`, so each commit message is the patch header), ready to push as a
 pull request. The source is the PyPI sdist of vLLM X (imported as one commit, tagged
 `v<X>`) or a local git checkout of vLLM that has the tag `v<X>`.
 
-With `--from V` the series of vLLM V is carried onto X instead (a release bump): V
-is imported too, X is committed on top of it, and the branch is rebased from `v<V>`
-onto `v<X>` with git's three-way merge. A conflict leaves the repository in the
-middle of the rebase; resolve it, `git rebase --continue`, then `vllm-hs refresh`.
+With `--from V` the series of vLLM V is carried onto X instead (a release bump):
+this is `vllm-hs port --from V --to X` (see `vllm_hs.series.port`), patch by patch
+with git's three-way merge, stopping on a conflict with a report.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from vllm_hs.cli import EXIT_OK, add_series_dir_option
 from vllm_hs.errors import VllmHsError
@@ -28,8 +28,12 @@ from vllm_hs.series.model import (
     default_series_root,
     load_series,
     sha256_file,
+    writable_series_root,
 )
 from vllm_hs.series.sdist import fetch_sdist, unpack_sdist
+
+if TYPE_CHECKING:
+    from vllm_hs.series.port import PortOutcome
 
 CONFIG_VERSION = "vllm-hs.version"
 CONFIG_BASE = "vllm-hs.base"
@@ -132,8 +136,13 @@ class StagedTree:
     base: str  # the tag v<X>
     branch: str  # hidden-states-v<X>: one commit per patch on base
     series: Series  # the series applied (V's for a bump --from V)
-    # git's report when the bump's rebase stopped on a conflict, else None.
-    conflict: str | None = None
+    # A bump: the port of V's series onto X (finished, or stopped on a conflict).
+    port: PortOutcome | None = None
+
+    @property
+    def conflict(self) -> str | None:
+        """The report of the conflict a bump stopped on, else None."""
+        return self.port.conflict if self.port is not None else None
 
     def footprint(self) -> Footprint:
         return footprint(self.repo, self.base, self.branch)
@@ -158,7 +167,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "examples:\n"
             "  vllm-hs stage --version 0.32.0                  # sdist from PyPI\n"
             "  vllm-hs stage --version 0.33.0 --source ~/src/vllm\n"
-            "  vllm-hs stage --version 0.34.0 --from 0.33.0    # release bump\n"
+            "  vllm-hs stage --version 0.34.0 --from 0.33.0    # = vllm-hs port\n"
             "then, after editing commits on the branch:\n"
             "  vllm-hs refresh --tree vllm-0.32.0"
         ),
@@ -196,7 +205,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         dest="series_version",
         default=None,
         metavar="V",
-        help="carry the series of vLLM V onto X (a release bump) instead of X's own",
+        help="carry the series of vLLM V onto X (a release bump: vllm-hs port) "
+        "instead of X's own",
     )
     parser.add_argument(
         "--branch",
@@ -219,16 +229,10 @@ def run_stage(args: argparse.Namespace) -> int:
         branch=args.branch,
     )
     where = staged.repo.path
-    if staged.conflict is not None:
-        print(staged.conflict)
-        print(
-            f"\nThe rebase of series {staged.series.name} onto {staged.base} stopped "
-            f"on a conflict in {where}. Resolve it, 'git add' the files, "
-            "'git rebase --continue' (repeat as needed), then run\n"
-            f"  vllm-hs refresh --tree {where}\n"
-            f"to write patches/v{staged.version}/."
-        )
-        return 1
+    if staged.port is not None:
+        from vllm_hs.series.port import report
+
+        return report(staged.port)
     print(staged.repo.git("diff", "--stat=100", staged.base, staged.branch).rstrip())
     print(staged.footprint().describe())
     print(describe_review_sizes(staged.review_sizes()))
@@ -249,7 +253,11 @@ def stage(
     series_root: Path | None = None,
     series_version: str | None = None,
     branch: str | None = None,
+    from_sdist: Path | None = None,
 ) -> StagedTree:
+    """Stage `version` with its series; with `series_version` V != X, port V's
+    series onto X (`vllm_hs.series.port`): the returned tree's `port` says how far
+    it got."""
     series_version = series_version or version
     series = load_series(series_root or default_series_root(), series_version)
     branch = branch or f"hidden-states-v{version}"
@@ -270,32 +278,36 @@ def stage(
             raise VllmHsError(f"{dest} already exists; remove it or pass --dest")
         repo = Repo.init(dest)
         if series_version != version:
-            import_release(repo, series_version)
+            import_release(repo, series_version, from_sdist)
         parent = series_base if series_base != base else None
         import_release(repo, version, sdist, parent=parent)
 
-    if repo.rev(f"refs/heads/{branch}") is not None:
-        raise VllmHsError(f"{repo.path} already has a branch {branch}; pass --branch")
-    repo.git("checkout", "-q", "-b", branch, series_base)
+    bump = series_base != base
+    # A bump applies V's series on v<V> first, then ports it to `branch`.
+    series_branch = f"hidden-states-v{series_version}" if bump else branch
+    for name in {branch, series_branch}:
+        if repo.rev(f"refs/heads/{name}") is not None:
+            raise VllmHsError(f"{repo.path} already has a branch {name}; pass --branch")
+    repo.git("checkout", "-q", "-b", series_branch, series_base)
     apply_commits(repo, series)
     repo.config_set(CONFIG_VERSION, version)
     repo.config_set(CONFIG_BASE, base)
     repo.config_set(CONFIG_BRANCH, branch)
     repo.config_set(CONFIG_FROM, series_version)
     staged = StagedTree(repo, version, base, branch, series)
-    if series_base == base:
+    if not bump:
         return staged
-    try:
-        repo.git("rebase", "-q", "--onto", base, series_base, branch)
-    except GitError as error:
-        status = repo.git("status", "--short", check=False)
-        conflicted = [line for line in status.splitlines() if line[:2] in _UNMERGED]
-        report = error.output + "\n\nconflicted files:\n" + "\n".join(conflicted)
-        return dataclasses.replace(staged, conflict=report)
-    return staged
+    from vllm_hs.series.port import start
 
-
-_UNMERGED = {"DD", "AU", "UD", "UA", "DU", "AA", "UU"}
+    outcome = start(
+        repo,
+        series,
+        version,
+        source_branch=series_branch,
+        branch=branch,
+        series_root=series_root or writable_series_root(),
+    )
+    return dataclasses.replace(staged, port=outcome)
 
 
 def import_release(

@@ -2,6 +2,10 @@
 
 Exit codes: 0 patched and every patched file intact, 1 not patched (or no vllm),
 2 patched but files differ from the marker's sha256.
+
+The command also says when the package index has a vLLM release newer than the
+newest series this vllm-hs ships (a warning, never an exit code: CI logs it).
+$VLLM_HS_NO_RELEASE_CHECK=1 or --no-release-check skips the index.
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ import argparse
 import importlib.metadata
 import importlib.util
 import json
+import os
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +23,7 @@ from typing import Any
 from vllm_hs.errors import VllmHsError
 from vllm_hs.series.model import (
     MARKER_FILE,
+    available_versions,
     default_series_root,
     load_series,
     read_marker,
@@ -91,11 +98,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--json", action="store_true", help="print the report as one JSON object"
     )
+    parser.add_argument(
+        "--no-release-check",
+        action="store_true",
+        help="do not ask the package index for vLLM releases newer than the "
+        "newest series",
+    )
     parser.set_defaults(handler=run_status)
 
 
 def run_status(args: argparse.Namespace) -> int:
     status = tree_status(args.tree) if args.tree else installed_status()
+    if not (args.no_release_check or os.environ.get("VLLM_HS_NO_RELEASE_CHECK")):
+        warning = newer_release_warning(default_series_root())
+        if warning is not None:
+            status.warnings.append(warning)
     if args.json:
         print(json.dumps(status_dict(status), indent=2))
     else:
@@ -148,6 +165,36 @@ def tree_status(tree: Path) -> Status:
             f"marker says series {status.series} but vllm is {status.vllm_version}"
         )
     return status
+
+
+def newer_release_warning(
+    series_root: Path, released: list[str] | None = None
+) -> str | None:
+    """A warning when the package index (or `released`) has a vLLM release newer
+    than the newest series under series_root; None otherwise, and when the index
+    cannot be read (the check must never fail a run)."""
+    from vllm_hs.series.sdist import released_versions
+
+    shipped = available_versions(series_root)
+    if not shipped:
+        return None
+    if released is None:
+        try:
+            released = released_versions(timeout=10)
+        except VllmHsError:
+            return None
+
+    def key(version: str) -> tuple[int, ...]:
+        return tuple(int(part) for part in re.findall(r"\d+", version))
+
+    newer = [v for v in released if key(v) > key(shipped[-1])]
+    if not newer:
+        return None
+    newest = max(newer, key=key)
+    return (
+        f"vLLM {newest} is released; the newest series is v{shipped[-1]}: "
+        f"vllm-hs port --from {shipped[-1]} --to {newest}"
+    )
 
 
 def distributions_providing_vllm(tree: Path) -> list[Distribution]:
