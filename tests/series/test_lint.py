@@ -44,7 +44,10 @@ def test_each_defect_is_reported(tmp_path: Path, sdist, capsys) -> None:
     directory = root / "v0.32.0"
     params = sorted(directory.glob("*.patch"))[0]  # left as it is
     config = _patch_with(directory, "+            verify_hidden_states_config(self)\n")
-    positions = _patch_with(directory, "+from bisect import bisect_right\n", last=True)
+    # The last patch that changes vllm/v1/hidden_states/output.py's imports (no
+    # later patch touches the file, so an added line moves no other hunk).
+    imports = "+from vllm.utils import length_from_prompt_token_ids_or_embeds\n"
+    positions = _patch_with(directory, imports, last=True)
     client = _patch_with(directory, "vllm/v1/engine/core_client.py")
     assert len({params, config, client}) == 3
     # The config hook's patch: a header field gone, a sign-off (the series
@@ -57,13 +60,9 @@ def test_each_defect_is_reported(tmp_path: Path, sdist, capsys) -> None:
         "+            verify_hidden_states_config(self)\n",
         "+            verify_hidden_states_config(self))\n",
     )
-    # The last patch of positions.py: an added import that is never used (F401
-    # under vLLM's ruff config).
-    _edit(
-        positions,
-        "+from bisect import bisect_right\n",
-        "+import os\n+from bisect import bisect_right\n",
-    )
+    # That patch: an added import that is never used (F401 under vLLM's ruff
+    # config).
+    _edit(positions, imports, "+import os\n" + imports)
     _fix_hunk_counts(positions)
     # Another patch: the hunks moved by a few lines (applies only with an offset).
     text = client.read_text()

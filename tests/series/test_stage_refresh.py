@@ -223,9 +223,14 @@ def test_refresh_after_an_edit_rewrites_that_patch_and_keeps_headers(
         first_patch.read_bytes()
         == (SERIES_ROOT / "v0.32.0" / first_patch.name).read_bytes()
     )
+    statuses = {
+        patch.name: patch.headers["Upstream-Status"]
+        for patch in load_series(SERIES_ROOT, "0.32.0").patches
+    }
     for path in (root / "v0.32.0").glob("*.patch"):
         body = path.read_text().split("\n---\n", 1)[0]
-        assert body.endswith("Upstream-Status: Pending\nvLLM-Version: 0.32.0")
+        status = statuses[path.name]
+        assert body.endswith(f"Upstream-Status: {status}\nvLLM-Version: 0.32.0")
     assert (
         load_series(root, "0.32.0").revision
         == load_series(SERIES_ROOT, "0.32.0").revision
