@@ -188,9 +188,12 @@ class Repo:
     def is_clean(self) -> bool:
         return not self.git("status", "--porcelain", "--untracked-files=no").strip()
 
+    def git_dir(self) -> Path:
+        return Path(self.git("rev-parse", "--absolute-git-dir").strip())
+
     def in_progress(self) -> bool:
         """Whether a rebase, an am or a cherry-pick stopped half way."""
-        git_dir = Path(self.git("rev-parse", "--absolute-git-dir").strip())
+        git_dir = self.git_dir()
         return any(
             (git_dir / name).exists()
             for name in ("rebase-merge", "rebase-apply", "CHERRY_PICK_HEAD")

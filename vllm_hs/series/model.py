@@ -230,7 +230,7 @@ def available_versions(series_root: Path) -> list[str]:
         for entry in series_root.iterdir()
         if entry.is_dir() and entry.name.startswith("v")
     ]
-    return sorted(versions, key=_version_sort_key)
+    return sorted(versions, key=version_sort_key)
 
 
 def load_series(series_root: Path, vllm_version: str) -> Series:
@@ -334,6 +334,6 @@ def _check_relative(diff_path: str, patch_path: Path) -> None:
         raise VllmHsError(f"{patch_path}: unsafe path {diff_path!r} in diff")
 
 
-def _version_sort_key(version: str) -> tuple[int, tuple[int, ...], str]:
+def version_sort_key(version: str) -> tuple[int, tuple[int, ...], str]:
     numbers = tuple(int(part) for part in re.findall(r"\d+", version))
     return (0, numbers, version) if numbers else (1, (), version)

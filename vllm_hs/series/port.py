@@ -99,7 +99,7 @@ class PortOutcome:
 
 
 def _state_path(repo: Repo) -> Path:
-    return Path(repo.git("rev-parse", "--absolute-git-dir").strip()) / STATE_FILE
+    return repo.git_dir() / STATE_FILE
 
 
 def start(
@@ -209,8 +209,7 @@ def finish(outcome: PortOutcome, revision: int | None = None) -> Path:
 
 
 def _picking(repo: Repo) -> bool:
-    git_dir = Path(repo.git("rev-parse", "--absolute-git-dir").strip())
-    return (git_dir / "CHERRY_PICK_HEAD").exists()
+    return (repo.git_dir() / "CHERRY_PICK_HEAD").exists()
 
 
 def _unmerged(repo: Repo) -> list[str]:
@@ -301,8 +300,8 @@ def conflict_report(repo: Repo, state: PortState, git_output: str) -> str:
     for status in unmerged:
         path = status[3:]
         lines += ["", f"=== {path}: the patch's hunks ({name})"]
-        patch_diff = repo.git("show", "--format=", commit, "--", path)
-        lines.append(_hunks_only(patch_diff))
+        patch_hunks = parse_hunks(repo.git("show", "--format=", commit, "--", path))
+        lines.append("".join(hunk.text for hunk in patch_hunks).rstrip())
         # The patch's hunks, in the coordinates of V's file (earlier patches of
         # the series may have moved its lines).
         earlier = parse_hunks(
@@ -313,7 +312,7 @@ def conflict_report(repo: Repo, state: PortState, git_output: str) -> str:
                 to_old_line(hunk.old_start, earlier) - _MARGIN,
                 to_old_line(hunk.old_start + hunk.old_len, earlier) + _MARGIN,
             )
-            for hunk in parse_hunks(patch_diff)
+            for hunk in patch_hunks
         ]
         upstream = parse_hunks(
             repo.git("diff", from_tag, to_tag, "--", path, check=False)
@@ -340,12 +339,6 @@ def conflict_report(repo: Repo, state: PortState, git_output: str) -> str:
         f"or undo the port with: vllm-hs port --abort --tree {repo.path}",
     ]
     return "\n".join(lines)
-
-
-def _hunks_only(diff: str) -> str:
-    """A one-file diff without its header lines."""
-    start = diff.find("\n@@")
-    return diff[start + 1 :].rstrip() if start >= 0 else diff.rstrip()
 
 
 # -- the command ----------------------------------------------------------------

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from vllm_hs.errors import VllmHsError
 from vllm_hs.fs import atomic_path, atomic_write_text, cache_root, staging_dir
-from vllm_hs.series.model import sha256_file
+from vllm_hs.series.model import sha256_file, version_sort_key
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ def released_versions(timeout: float = 60) -> list[str]:
         for name, _, _ in files
         if (match := re.fullmatch(rf"{PROJECT}-(\d+(?:\.\d+)*)\.tar\.gz", name))
     }
-    return sorted(versions, key=lambda v: tuple(int(part) for part in v.split(".")))
+    return sorted(versions, key=version_sort_key)
 
 
 def _find_on_index(version: str) -> tuple[str, str | None]:

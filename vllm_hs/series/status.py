@@ -15,7 +15,6 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from vllm_hs.series.model import (
     read_marker,
     read_tree_version,
     sha256_file,
+    version_sort_key,
 )
 
 # `vllm-hs status` exit codes (EXIT_NOT_PATCHED is also cli.EXIT_ERROR's value:
@@ -183,14 +183,9 @@ def newer_release_warning(
             released = released_versions(timeout=10)
         except VllmHsError:
             return None
-
-    def key(version: str) -> tuple[int, ...]:
-        return tuple(int(part) for part in re.findall(r"\d+", version))
-
-    newer = [v for v in released if key(v) > key(shipped[-1])]
-    if not newer:
+    newest = max(released, key=version_sort_key, default=None)
+    if newest is None or version_sort_key(newest) <= version_sort_key(shipped[-1]):
         return None
-    newest = max(newer, key=key)
     return (
         f"vLLM {newest} is released; the newest series is v{shipped[-1]}: "
         f"vllm-hs port --from {shipped[-1]} --to {newest}"
