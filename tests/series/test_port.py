@@ -15,7 +15,14 @@ from vllm_hs.cli import main
 from vllm_hs.errors import VllmHsError
 from vllm_hs.series.git import Repo
 from vllm_hs.series.model import load_series
-from vllm_hs.series.port import PortState, abort, parse_hunks, resume, to_old_line
+from vllm_hs.series.port import (
+    PortState,
+    abort,
+    finish,
+    parse_hunks,
+    resume,
+    to_old_line,
+)
 from vllm_hs.series.refresh import FORMAT_PATCH_OPTIONS, refresh
 from vllm_hs.series.stage import stage
 
@@ -211,3 +218,30 @@ def test_old_lines_of_new_lines() -> None:
     assert to_old_line(2, hunks) == 2
     assert to_old_line(7, hunks) == 5
     assert to_old_line(20, hunks) == 19
+
+
+def test_a_port_onto_a_release_with_a_series_of_its_own(
+    releases: tuple[Path, Path],
+) -> None:
+    # X already has a series of an older design: the port replaces it with V's
+    # series carried over, as X's next revision, with V's comments.
+    checkout, root = releases
+    old = root / "v0.2.0"
+    old.mkdir()
+    first = load_series(root, "0.1.0").patches[0]
+    (old / "0001-Old.patch").write_text(first.path.read_text())
+    header = "# vllm-hs series for vLLM 0.2.0, revision 5\n# Old.\n"
+    (old / "series").write_text(header + "0001-Old.patch\n")
+    outcome = _start(checkout, root)
+    assert outcome is not None and outcome.conflict is not None
+    git(checkout, "checkout", "--ours", "vllm/config.py")
+    git(checkout, "add", "vllm/config.py")
+    finish(resume(Repo(checkout)))
+    ported = load_series(root, "0.2.0")
+    assert ported.revision == 6
+    series_text = (ported.directory / "series").read_text()
+    assert "# A comment.\n" in series_text and "# Old." not in series_text
+    assert not (old / "0001-Old.patch").exists()
+    # A later refresh keeps that revision and those comments.
+    assert refresh(checkout, series_root=root).changed == ()
+    assert (ported.directory / "series").read_text() == series_text

@@ -61,6 +61,7 @@ def test_no_upstream_test_regresses(version: str, sdist, tmp_path: Path) -> None
         keep=tmp_path / "w",
     )
     assert comparison.regressions == [], comparison.report()
+    assert comparison.new_failures == [], comparison.report()
     # The runs were real: every listed file ran tests that pass on both trees.
     for test_file in tests:
         ran = [

@@ -37,7 +37,7 @@ from pathlib import Path
 from vllm_hs.cli import EXIT_ERROR, EXIT_OK, add_series_dir_option
 from vllm_hs.errors import VllmHsError
 from vllm_hs.series.git import GitError, Repo
-from vllm_hs.series.model import Series
+from vllm_hs.series.model import SERIES_FILE, Series, load_series
 
 STATE_FILE = "vllm-hs-port.json"
 FATES = ("clean", "merged", "resolved", "dropped")
@@ -193,16 +193,22 @@ def _run(repo: Repo, state: PortState) -> PortOutcome:
 
 def finish(outcome: PortOutcome, revision: int | None = None) -> Path:
     """Write patches/v<X>/ from the ported branch (vllm-hs refresh); the port is
-    over."""
+    over. The series file's comments come from V's series; where X had a series
+    of its own, the new one is its next revision."""
     from vllm_hs.series.refresh import refresh
 
     state = outcome.state
+    series_root = Path(state.series_root)
+    own = series_root / f"v{state.to_version}" / SERIES_FILE
+    if revision is None and own.exists():
+        revision = load_series(series_root, state.to_version).revision + 1
     refreshed = refresh(
         outcome.repo.path,
-        series_root=Path(state.series_root),
+        series_root=series_root,
         version=state.to_version,
         base=f"v{state.to_version}",
         revision=revision,
+        origin=state.from_version,
     )
     _state_path(outcome.repo).unlink()
     return refreshed.directory

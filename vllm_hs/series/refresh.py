@@ -119,7 +119,11 @@ def refresh(
     version: str | None = None,
     base: str | None = None,
     revision: int | None = None,
+    origin: str | None = None,
 ) -> RefreshOutcome:
+    """Write patches/v<X>/ from the branch. The comments and each patch's
+    Upstream-Status come from `origin`'s series (a port: the series carried
+    over), else X's own, else the one the branch was staged from."""
     repo = Repo(tree.resolve())
     if not repo.is_repo():
         raise VllmHsError(f"{tree} is not a git repository")
@@ -148,9 +152,10 @@ def refresh(
     comments: list[str] = []
     old_revision: int | None = None
     # The series being replaced: X's own, else (a bump) the one the branch came from.
-    origin = version
-    if not (directory / SERIES_FILE).is_file():
-        origin = repo.config_get(CONFIG_FROM) or version
+    if origin is None:
+        origin = version
+        if not (directory / SERIES_FILE).is_file():
+            origin = repo.config_get(CONFIG_FROM) or version
     if (series_root / f"v{origin}" / SERIES_FILE).is_file():
         old = load_series(series_root, origin)
         old_revision = old.revision if origin == version else None

@@ -90,6 +90,17 @@ class Comparison:
         )
 
     @property
+    def new_failures(self) -> list[str]:
+        """Tests the series adds (absent from the unpatched tree) that do not
+        pass patched: a defect of the series, like a regression."""
+        return sorted(
+            test
+            for test, outcome in self.patched.outcomes.items()
+            if test not in self.unpatched.outcomes
+            and outcome in (Outcome.FAILED, Outcome.ERROR)
+        )
+
+    @property
     def cannot_run(self) -> dict[str, list[str]]:
         """Tests that do not pass on the unpatched tree, by their first error line."""
         groups: dict[str, list[str]] = defaultdict(list)
@@ -128,6 +139,16 @@ class Comparison:
             f"{self.patched.messages.get(test, '')}"
             for test in regressions
         ]
+        new_failures = self.new_failures
+        lines += [
+            "",
+            f"## Tests the series adds that fail: {len(new_failures)}",
+        ]
+        lines += [""] + [
+            f"- `{test}`: {_outcome_word(self.patched.outcomes.get(test))}: "
+            f"{self.patched.messages.get(test, '')}"
+            for test in new_failures
+        ]
         only_patched = sorted(
             test
             for test, outcome in self.patched.outcomes.items()
@@ -163,7 +184,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "Run the vLLM unit tests listed in patches/v<X>/upstream-tests (from the "
             "sdist of X) on the release tree and on the series branch, on CPU, side "
             "by side, and report the difference. Exits 1 if a test that passes "
-            "unpatched does not pass patched."
+            "unpatched does not pass patched, or a test the series adds fails."
         ),
         epilog=(
             "examples:\n"
@@ -223,7 +244,7 @@ def run_upstream_tests(args: argparse.Namespace) -> int:
     if args.report is not None:
         atomic_write_text(args.report, report)
     print(report)
-    return EXIT_ERROR if comparison.regressions else EXIT_OK
+    return EXIT_ERROR if comparison.regressions or comparison.new_failures else EXIT_OK
 
 
 def listed_tests(
