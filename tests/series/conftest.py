@@ -16,12 +16,13 @@ from pathlib import Path
 
 import pytest
 
+from vllm_hs.series.model import available_versions
 from vllm_hs.series.sdist import fetch_sdist
 from vllm_hs.series.stage import StagedTree, stage
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SERIES_ROOT = REPO_ROOT / "patches"
-VERSIONS = ("0.32.0", "0.33.0")
+VERSIONS = tuple(available_versions(SERIES_ROOT))
 
 
 @pytest.fixture(scope="session")

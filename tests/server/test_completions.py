@@ -219,3 +219,31 @@ def test_positions(oai, served_model, model_dir, stream, positions):
     if stream and positions == "last":
         # No output rows before the last chunk that carries tokens.
         assert [rows for _, rows, _ in got.rows_vs_tokens] == [0] * 5 + [1]
+
+
+def test_rows_without_return_token_ids(oai, served_model, model_dir, stream):
+    """A request that asks for hidden states but no token ids gets every row.
+    (vLLM 0.34.0 renders plain streamed chunks from a template, which would
+    skip the rows; its series keeps such requests off that path.) The tokens
+    come from the same greedy request with token ids; the rows from HF."""
+    from vllm_hs.testing.server import reference
+
+    prompt = seeded_prompt(13, 15)
+    tokens = complete(oai, served_model, False, None, prompt=prompt).token_ids[0]
+    response = oai.completions.create(
+        model=served_model,
+        prompt=prompt,
+        max_tokens=len(tokens),
+        stream=stream,
+        temperature=0.0,
+        extra_body={"ignore_eos": True, "hidden_states": {"layers": [0, -1]}},
+    )
+    got = (collect_stream if stream else collect_response)(response, chat=False)
+    assert got.token_ids.get(0, []) == []  # none asked for
+    ref_prompt, ref_output = reference(model_dir, prompt, tokens, [0, -1])
+    for rows, ref, what in (
+        (got.states.prompt(0), ref_prompt, "prompt"),
+        (got.states.output(0), ref_output, "output"),
+    ):
+        assert rows is not None, what
+        assert_states_close(rows, ref, dtype=torch.float32, what=what, layers=[0, -1])
