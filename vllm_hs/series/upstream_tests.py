@@ -129,26 +129,16 @@ class Comparison:
                 f"{tree.count(Outcome.FAILED)} | {tree.count(Outcome.ERROR)} | "
                 f"{tree.count(Outcome.SKIPPED)} | {tree.seconds:.0f} |"
             )
-        regressions = self.regressions
-        lines += [
-            "",
-            f"## Regressions (pass unpatched, not patched): {len(regressions)}",
-        ]
-        lines += [""] + [
-            f"- `{test}`: {_outcome_word(self.patched.outcomes.get(test))}: "
-            f"{self.patched.messages.get(test, '')}"
-            for test in regressions
-        ]
-        new_failures = self.new_failures
-        lines += [
-            "",
-            f"## Tests the series adds that fail: {len(new_failures)}",
-        ]
-        lines += [""] + [
-            f"- `{test}`: {_outcome_word(self.patched.outcomes.get(test))}: "
-            f"{self.patched.messages.get(test, '')}"
-            for test in new_failures
-        ]
+        for title, failing in (
+            ("Regressions (pass unpatched, not patched)", self.regressions),
+            ("Tests the series adds that fail", self.new_failures),
+        ):
+            lines += ["", f"## {title}: {len(failing)}", ""]
+            lines += [
+                f"- `{test}`: {_outcome_word(self.patched.outcomes.get(test))}: "
+                f"{self.patched.messages.get(test, '')}"
+                for test in failing
+            ]
         only_patched = sorted(
             test
             for test, outcome in self.patched.outcomes.items()
