@@ -18,6 +18,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from vllm_hs.client import (
+    RefFetcher,
     ResponseHiddenStates,
     decode,
     from_response,
@@ -381,3 +382,70 @@ def test_real_openai_types(kind):
         )
     assert torch.equal(got.prompt(0), prompt)
     assert torch.equal(got.output(0), out)
+
+
+def _ref_payload(rows: torch.Tensor, path: str | None = None) -> dict[str, Any]:
+    from safetensors.torch import save
+
+    body = save({"hidden_states": rows})
+    payload: dict[str, Any] = {
+        "layers": [0],
+        "shape": list(rows.shape),
+        "dtype": str(rows.dtype).removeprefix("torch."),
+        "encoding": "ref",
+        "url": "/v1/hidden_states/abc",
+        "bytes": len(body),
+    }
+    if path is not None:
+        with open(path, "wb") as f:
+            f.write(body)
+        payload["path"] = path
+    return payload
+
+
+def test_ref_payloads_are_fetched_over_http_with_the_key() -> None:
+    """`"encoding": "ref"`: GET <server><url> with the API key (a stand-in
+    HTTP server; tests/server/test_refs.py runs the real one)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from safetensors.torch import save
+
+    rows = torch.randn(3, 1, 4).to(torch.bfloat16)
+    seen: list[tuple[str, str | None]] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            seen.append((self.path, self.headers.get("Authorization")))
+            body = save({"hidden_states": rows})
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        base = f"http://127.0.0.1:{server.server_port}/v1"
+        response = {"choices": [{"index": 0, "hidden_states": _ref_payload(rows)}]}
+        states = from_response(response, server=base, api_key="k")
+    finally:
+        server.shutdown()
+    assert torch.equal(states.output(0), rows)
+    assert seen == [("/v1/hidden_states/abc", "Bearer k")]
+
+
+def test_ref_payloads_read_a_co_located_file(tmp_path) -> None:
+    rows = torch.randn(2, 1, 4)
+    payload = _ref_payload(rows, str(tmp_path / "r.safetensors"))
+    # No server reachable: the file is read.
+    assert torch.equal(decode(payload, RefFetcher("http://127.0.0.1:9")), rows)
+    with pytest.raises(ValueError, match="needs the server"):
+        decode(payload)
+    payload["shape"] = [3, 1, 4]
+    with pytest.raises(ValueError, match="payload says"):
+        decode(payload, RefFetcher("http://127.0.0.1:9"))

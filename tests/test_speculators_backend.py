@@ -16,7 +16,10 @@ from vllm_hs.extract.format import save_hs_file
 def _transfer(path: Path | None):
     from vllm_hs.speculators_online import VllmHsBackend
 
-    args = argparse.Namespace(hidden_states_path=str(path) if path else None)
+    args = argparse.Namespace(
+        hidden_states_path=str(path) if path else None,
+        vllm_endpoint="http://127.0.0.1:9/v1",
+    )
     return VllmHsBackend.from_train_args(args, "unused")
 
 

@@ -9,24 +9,37 @@ HTTP JSON (`dict`). The wire format (see README):
      "positions": [...]}  # only when the request set "positions"
 
 `base64` data is the raw little-endian bytes of the tensor in its dtype.
+`"encoding": "ref"` payloads carry `"url"` (and `"path"` where the server keeps
+references as files) instead of `"data"`: pass `server` (the base URL, or the
+`openai` client) and they are fetched, from the file when this host sees it.
 
     resp = client.completions.create(..., extra_body={"hidden_states": {}})
     states = from_response(resp)
     states.prompt(0), states.output(0)   # tensors [P, K, H], [G-1, K, H]
+
+    resp = client.completions.create(
+        ..., extra_body={"hidden_states": {"encoding": "ref"}}
+    )
+    states = from_response(resp, server=client)
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import os
 import sys
+import urllib.error
+import urllib.request
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urljoin
 
 import torch
 
 __all__ = [
+    "RefFetcher",
     "ResponseHiddenStates",
     "decode",
     "from_response",
@@ -45,8 +58,65 @@ def _get(obj: Any, name: str) -> Any:
     return value
 
 
-def decode(payload: Any) -> torch.Tensor:
-    """One payload (dict or object with the wire fields) -> tensor."""
+@dataclass(frozen=True)
+class RefFetcher:
+    """Fetches `"encoding": "ref"` payloads: the safetensors file at the
+    payload's `path` when this host sees it (a co-located server keeping its
+    references in a shared directory), else `GET <server><url>`."""
+
+    server: str
+    """The server's base URL (`http://host:8000` or `.../v1`)."""
+    api_key: str | None = None
+    local: bool = True
+    """Read `path` when it exists here."""
+    timeout_s: float = 600.0
+
+    @classmethod
+    def of(cls, server: Any, api_key: str | None = None) -> RefFetcher:
+        """From a base URL or an `openai` client (its base URL and key)."""
+        if isinstance(server, RefFetcher):
+            return server
+        if hasattr(server, "base_url"):
+            api_key = api_key or getattr(server, "api_key", None)
+            server = str(server.base_url)
+        return cls(str(server), api_key)
+
+    def __call__(self, payload: Any) -> torch.Tensor:
+        from safetensors.torch import load, load_file
+
+        path = _get(payload, "path")
+        size = _get(payload, "bytes")
+        if (
+            self.local
+            and path
+            and os.path.isfile(path)
+            and os.path.getsize(path) == size
+        ):
+            tensors = load_file(path)
+        else:
+            url = urljoin(self.server, str(_get(payload, "url")))
+            request = urllib.request.Request(url)
+            if self.api_key:
+                request.add_header("Authorization", f"Bearer {self.api_key}")
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout_s) as reply:
+                    body = reply.read()
+            except urllib.error.HTTPError as error:
+                raise ValueError(
+                    f"hidden states at {url}: HTTP {error.code}: "
+                    f"{error.read().decode(errors='replace')}"
+                ) from error
+            if size is not None and len(body) != int(size):
+                raise ValueError(
+                    f"hidden states at {url}: {len(body)} bytes, expected {size}"
+                )
+            tensors = load(body)
+        return tensors["hidden_states"]
+
+
+def decode(payload: Any, fetch: RefFetcher | None = None) -> torch.Tensor:
+    """One payload (dict or object with the wire fields) -> tensor; `fetch`
+    reads `"ref"` payloads."""
     shape = [int(n) for n in _get(payload, "shape")]
     dtype_name = str(_get(payload, "dtype"))
     dtype = getattr(torch, dtype_name, None)
@@ -54,6 +124,19 @@ def decode(payload: Any) -> torch.Tensor:
         raise ValueError(f"unknown hidden-state dtype {dtype_name!r}")
     encoding = _get(payload, "encoding")
     data = _get(payload, "data")
+    if encoding == "ref":
+        if fetch is None:
+            raise ValueError(
+                'an "encoding": "ref" payload needs the server to fetch it from '
+                "(from_response(..., server=...))"
+            )
+        rows = fetch(payload)
+        if list(rows.shape) != shape or rows.dtype != dtype:
+            raise ValueError(
+                f"fetched hidden states are {rows.dtype} {list(rows.shape)}, the "
+                f"payload says {dtype_name} {shape}"
+            )
+        return rows
     if encoding == "float":
         return torch.tensor(data, dtype=torch.float32).reshape(shape).to(dtype)
     if encoding != "base64":
@@ -87,6 +170,8 @@ class ResponseHiddenStates:
     """Position of each prompt row, when the request set "positions"."""
     output_positions: dict[int, list[int]] = field(default_factory=dict)
     """Position of each output row, when the request set "positions"."""
+    fetch: RefFetcher | None = None
+    """Reads `"ref"` payloads."""
 
     def prompt(self, index: int = 0) -> torch.Tensor | None:
         return self.prompts.get(index)
@@ -97,7 +182,7 @@ class ResponseHiddenStates:
     def _add(self, target: dict[int, torch.Tensor], index: int, payload: Any) -> None:
         if payload is None:
             return
-        rows = decode(payload)
+        rows = decode(payload, self.fetch)
         self.layers = list(_get(payload, "layers"))
         previous = target.get(index)
         target[index] = rows if previous is None else torch.cat([previous, rows])
@@ -114,7 +199,7 @@ class ResponseHiddenStates:
             # Prompt rows are sent once per prompt; a second payload would
             # silently double the rows.
             raise ValueError(f"prompt hidden states of choice {index} sent twice")
-        self.prompts[index] = decode(payload)
+        self.prompts[index] = decode(payload, self.fetch)
         self.layers = list(_get(payload, "layers"))
         positions = _get(payload, "positions")
         if positions is not None:
@@ -130,21 +215,30 @@ class ResponseHiddenStates:
             self._add(self.outputs, index, _get(choice, "hidden_states"))
 
 
-def from_response(response: Any) -> ResponseHiddenStates:
-    """States of a non-streamed completion or chat completion."""
-    states = ResponseHiddenStates()
+def from_response(
+    response: Any, server: Any = None, api_key: str | None = None
+) -> ResponseHiddenStates:
+    """States of a non-streamed completion or chat completion. `server` (a
+    base URL or the `openai` client) is where `"ref"` payloads are fetched."""
+    states = ResponseHiddenStates(fetch=_fetcher(server, api_key))
     states.add(response)
     return states
 
 
-def from_stream(chunks: Iterable[Any]) -> ResponseHiddenStates:
+def from_stream(
+    chunks: Iterable[Any], server: Any = None, api_key: str | None = None
+) -> ResponseHiddenStates:
     """States of a stream: the deltas of every chunk, concatenated in order."""
-    states = ResponseHiddenStates()
+    states = ResponseHiddenStates(fetch=_fetcher(server, api_key))
     for chunk in chunks:
         if isinstance(chunk, (str, bytes)):
             continue  # raw SSE keep-alives or [DONE]
         states.add(chunk)
     return states
+
+
+def _fetcher(server: Any, api_key: str | None) -> RefFetcher | None:
+    return None if server is None else RefFetcher.of(server, api_key)
 
 
 def sse_events(lines: Iterable[str | bytes]) -> Iterator[dict[str, Any]]:

@@ -1,20 +1,25 @@
-"""speculators' online training from a patched vLLM server, states inline.
+"""speculators' online training from a patched vLLM server, states by reference.
 
 speculators (>= 0.9) trains a draft model online: for every sample without
 cached states it sends the server a completion (``max_tokens=1``,
 ``return_token_ids=true``) and hands the response's ``kv_transfer_params`` to
 its hidden-states backend (hs-connectors' ``HiddenStatesTransfer``). Upstream's
 backends read a file (or a Mooncake store) that a KV connector wrote. This one,
-``--hidden-states-backend vllm-hs``, takes the states from the response
-itself: a server started with
+``--hidden-states-backend vllm-hs``, takes the states from the server itself:
+a server started with
 
     vllm serve MODEL --hidden-states-config \\
         '{"layers": [2, 16, 29, 32], "respond_in_kv_transfer_params": true}'
 
-puts each request's prompt states into ``kv_transfer_params`` (``handle``,
-``hidden_states`` payload, ``token_ids``): no shared file system, no files to
-clean up. Columns are the server's layers in order; speculators reads the last
-as the verifier's last hidden state and the others as aux layers, as in
+puts a reference to each request's prompt states into ``kv_transfer_params``
+(``handle``, ``hidden_states`` payload with ``"encoding": "ref"``,
+``token_ids``). The backend fetches the rows from the server
+(``--vllm-endpoint``; or reads the file when the server keeps references in a
+directory this host sees, ``--hidden-states-ref-dir``) and deletes the
+reference once speculators has checked the sample: no shared file system
+needed, nothing left behind. Columns are the server's layers in order;
+speculators reads the last as the verifier's last hidden state and the others
+as aux layers, as in
 `vllm-hs extract`'s output. ``--hidden-states-path DIR`` (optional) also reads
 already extracted ``hs_{i}.safetensors`` files there first, as the file
 backend does.
@@ -39,19 +44,21 @@ from hs_connectors.transfer import (
     HiddenStatesTransfer,
 )
 
-from vllm_hs.client import decode
+from vllm_hs.client import RefFetcher, decode
 
-__all__ = ["BACKEND_NAME", "InlineTransfer", "VllmHsBackend", "main"]
+__all__ = ["BACKEND_NAME", "RefTransfer", "VllmHsBackend", "main"]
 
 BACKEND_NAME = "vllm-hs"
 
 
-class InlineTransfer(HiddenStatesTransfer):
-    """Reads states from the ``kv_transfer_params`` of a patched server's
-    response (and, with ``cache_path``, from extracted hs files first)."""
+class RefTransfer(HiddenStatesTransfer):
+    """Reads the states that the ``kv_transfer_params`` of a patched server's
+    response refer to (and, with ``cache_path``, extracted hs files first)."""
 
-    def __init__(self, cache_path: Path | None = None) -> None:
+    def __init__(self, endpoint: str, cache_path: Path | None = None) -> None:
+        self.fetch = RefFetcher(endpoint)
         self.files = FileTransfer(cache_path) if cache_path is not None else None
+        self._urls: dict[str, str] = {}  # handle -> reference url, until deleted
 
     def get_cached(self, file_idx: int) -> dict[str, Any] | None:
         return self.files.get_cached(file_idx) if self.files is not None else None
@@ -66,7 +73,10 @@ class InlineTransfer(HiddenStatesTransfer):
                 'with --hidden-states-config \'{..., "respond_in_kv_transfer_params":'
                 " true}' (a patched vLLM, `vllm-hs wheel`)"
             )
-        rows = decode(payload)
+        rows = decode(payload, self.fetch)
+        handle = hs_transfer_params.get("handle")
+        if payload.get("url") and handle is not None:
+            self._urls[handle] = payload["url"]
         token_ids = torch.tensor(hs_transfer_params["token_ids"], dtype=torch.long)
         if rows.shape[0] != token_ids.shape[0]:
             raise ValueError(
@@ -76,7 +86,16 @@ class InlineTransfer(HiddenStatesTransfer):
         return {"hidden_states": rows, "token_ids": token_ids}
 
     def delete(self, handle: str) -> None:
-        """Nothing to clean up: the states came with the response."""
+        """Drop the server's reference (it would expire anyway)."""
+        import urllib.request
+        from urllib.parse import urljoin
+
+        url = self._urls.pop(handle, None)
+        if url is not None:
+            request = urllib.request.Request(
+                urljoin(self.fetch.server, url), method="DELETE"
+            )
+            urllib.request.urlopen(request, timeout=self.fetch.timeout_s).close()
 
 
 def _add_path_argument(parser: argparse.ArgumentParser) -> None:
@@ -93,7 +112,7 @@ def _add_path_argument(parser: argparse.ArgumentParser) -> None:
 
 @HiddenStatesBackend.register(BACKEND_NAME)
 class VllmHsBackend(HiddenStatesBackend):
-    """States inline in a patched vLLM server's responses."""
+    """States a patched vLLM server's responses refer to."""
 
     @staticmethod
     def add_train_args(parser: argparse.ArgumentParser) -> None:
@@ -104,9 +123,10 @@ class VllmHsBackend(HiddenStatesBackend):
         """The server needs no KV connector (see the module docstring)."""
 
     @staticmethod
-    def from_train_args(args: argparse.Namespace, data_path: str) -> InlineTransfer:
+    def from_train_args(args: argparse.Namespace, data_path: str) -> RefTransfer:
         path = getattr(args, "hidden_states_path", None)
-        return InlineTransfer(Path(path) if path else None)
+        endpoint = getattr(args, "vllm_endpoint", None) or "http://localhost:8000/v1"
+        return RefTransfer(endpoint, Path(path) if path else None)
 
     @staticmethod
     def build_kv_transfer_config(args: argparse.Namespace) -> dict[str, Any]:

@@ -18,7 +18,13 @@ from vllm_hs.testing import expected_model_runner, patched_vllm_skip_reason
 
 SKIP_REASON = patched_vllm_skip_reason()
 
-from vllm_hs.testing.server import HS_CONFIG, ServerProcess  # noqa: E402
+from vllm_hs.testing.server import (  # noqa: E402
+    HS_CONFIG,
+    REFS_API_KEY,
+    REFS_MAX_BYTES,
+    REFS_TTL_S,
+    ServerProcess,
+)
 
 # The server speculators' online training reads (vllm_hs.speculators_online):
 # the layers `vllm-hs extract` writes for the tiny model, answered in
@@ -86,10 +92,17 @@ class _Servers:
                 "hs": HS_CONFIG,
                 "online": ONLINE_CONFIG,
                 "spec": HS_CONFIG,
+                "refs": HS_CONFIG,
             }.get(name)
             # The worker probe answers the dev-mode /collective_rpc route.
             probe = ["--worker-extension-cls", "vllm_hs.testing.ChannelStateProbe"]
-            extra = {"hs": probe, "spec": SPEC_ARGS}.get(name, ())
+            refs = (
+                *("--hidden-states-ref-ttl", str(REFS_TTL_S)),
+                *("--hidden-states-ref-max-bytes", str(REFS_MAX_BYTES)),
+                *("--hidden-states-ref-dir", str(self.log_dir / "refs")),
+                *("--api-key", REFS_API_KEY),
+            )
+            extra = {"hs": probe, "spec": SPEC_ARGS, "refs": refs}.get(name, ())
             server = ServerProcess(
                 self.model_dir,
                 self.log_dir / f"vllm-serve-{name}.log",
@@ -155,6 +168,13 @@ def online_server(_servers: _Servers) -> ServerProcess:
 def spec_server(_servers: _Servers) -> ServerProcess:
     """The hs server's model and config with ngram speculative decoding."""
     return _servers.launch("spec").wait_ready()
+
+
+@pytest.fixture(scope="session")
+def refs_server(_servers: _Servers) -> ServerProcess:
+    """HS_CONFIG with references kept as files, REFS_TTL_S, REFS_MAX_BYTES and
+    REFS_API_KEY."""
+    return _servers.launch("refs").wait_ready()
 
 
 @pytest.fixture(scope="session")

@@ -23,7 +23,8 @@ def test_hidden_states_request_schema(schemas):
         assert prop.get("description"), f"{name} has no description"
     assert props["prompt"]["type"] == "boolean" and props["prompt"]["default"] is True
     assert props["output"]["type"] == "boolean" and props["output"]["default"] is True
-    assert props["encoding"]["enum"] == ["base64", "float"]
+    assert props["encoding"]["enum"] == ["base64", "float", "ref"]
+    assert "url" in props["encoding"]["description"]
     assert props["encoding"]["default"] == "base64"
     layer_kinds = props["layers"]["anyOf"]
     assert {"type": "null"} in layer_kinds
@@ -57,3 +58,8 @@ def test_routes_take_those_requests(http):
     ):
         body = paths[path]["post"]["requestBody"]["content"]["application/json"]
         assert body["schema"]["$ref"].endswith(f"/{schema}")
+
+
+def test_reference_routes(http):
+    paths = http.get("/openapi.json").json()["paths"]
+    assert set(paths["/v1/hidden_states/{ref_id}"]) == {"get", "delete"}

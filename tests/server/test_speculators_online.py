@@ -11,6 +11,7 @@ import sys
 from array import array
 from pathlib import Path
 
+import pytest
 import torch
 
 from vllm_hs.hf_reference import assert_states_close, hf_hidden_states
@@ -52,7 +53,10 @@ def test_dataset_generates_hf_rows_from_the_server(
     write_arrow(tmp_path, [Row(array("i", ids), bytes(mask)) for ids, mask in rendered])
     (tmp_path / HS_DIR).mkdir()
     transfer = VllmHsBackend.from_train_args(
-        argparse.Namespace(hidden_states_path=None), str(tmp_path)
+        argparse.Namespace(
+            hidden_states_path=None, vllm_endpoint=online_server.base_url
+        ),
+        str(tmp_path),
     )
     dataset = ArrowDataset(
         max_len=512,
@@ -80,6 +84,8 @@ def test_dataset_generates_hf_rows_from_the_server(
             what=f"sample {i} verifier last",
         )
     assert not list((tmp_path / HS_DIR).iterdir()), "states went through files"
+    # speculators deleted each sample's reference once it had checked it.
+    assert transfer._urls == {}
 
 
 def test_a_request_asking_for_states_is_answered_as_usual(online_server, model_dir):
@@ -99,7 +105,18 @@ def test_a_request_asking_for_states_is_answered_as_usual(online_server, model_d
     )
     params = plain.kv_transfer_params
     assert params["token_ids"] == prompt and params["handle"]
-    assert params["hidden_states"]["shape"] == [5, 4, HIDDEN]
+    payload = params["hidden_states"]
+    assert payload["shape"] == [5, 4, HIDDEN] and payload["encoding"] == "ref"
+    assert "data" not in payload  # a handle, not the rows
+    from vllm_hs.speculators_online import RefTransfer
+
+    transfer = RefTransfer(online_server.base_url)
+    got = transfer.get_generated(params)
+    expected = hf_hidden_states(model_dir, prompt, [1, 2, 3, 4])
+    assert_states_close(got["hidden_states"], expected, dtype=torch.float32, what="ref")
+    transfer.delete(params["handle"])
+    with pytest.raises(ValueError, match="HTTP 404"):
+        transfer.get_generated(params)
     asked = client.completions.create(
         model=model_dir,
         prompt=prompt,

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from vllm_hs.client import ResponseHiddenStates, sse_events
+from vllm_hs.client import RefFetcher, ResponseHiddenStates, sse_events
 from vllm_hs.hf_reference import assert_states_close, hf_sequence_states
 from vllm_hs.testing.harness import (
     CAP_BYTES,
@@ -34,6 +34,11 @@ from vllm_hs.testing.harness import (
 )
 
 HS_CONFIG: dict[str, Any] = {"layers": MAIN_LAYERS, "max_bytes_per_request": CAP_BYTES}
+#: The refs test server (tests/server): references as files, a short ttl, a
+#: small byte bound and an API key.
+REFS_API_KEY = "refs-key"
+REFS_TTL_S = 8
+REFS_MAX_BYTES = 160 << 10
 
 STARTUP_TIMEOUT_S = 180.0
 DTYPE = torch.float32
@@ -291,9 +296,13 @@ def _record_payloads(out: Collected, obj: Any) -> None:
                 out.payloads.append((kind, index, payload))
 
 
-def collect_response(response: Any, chat: bool) -> Collected:
-    """A non-streamed completion / chat completion (dict or openai object)."""
+def collect_response(
+    response: Any, chat: bool, fetch: RefFetcher | None = None
+) -> Collected:
+    """A non-streamed completion / chat completion (dict or openai object);
+    `fetch` reads `"encoding": "ref"` payloads."""
     out = Collected(chat=chat)
+    out.states.fetch = fetch
     if chat:
         prompt = get(response, "prompt_token_ids")
         if prompt is not None:
@@ -311,9 +320,12 @@ def collect_response(response: Any, chat: bool) -> Collected:
     return out
 
 
-def collect_stream(chunks: Iterable[Any], chat: bool) -> Collected:
+def collect_stream(
+    chunks: Iterable[Any], chat: bool, fetch: RefFetcher | None = None
+) -> Collected:
     """A stream of chunks (dicts from `sse_events`, or openai chunk objects)."""
     out = Collected(chat=chat)
+    out.states.fetch = fetch
     for chunk in chunks:
         out.num_chunks += 1
         if chat:
