@@ -49,7 +49,9 @@ QUICK = [
 ]
 
 
-@pytest.mark.parametrize("version", VERSIONS)
+# CI time: the CPU test base and the newest series; the others' runs are their
+# UPSTREAM-TESTS.md (regenerated when their series changes).
+@pytest.mark.parametrize("version", sorted({VERSIONS[0], NEWEST}))
 def test_no_upstream_test_regresses(version: str, sdist, tmp_path: Path) -> None:
     listed = listed_tests(SERIES_ROOT, version)
     tests = listed if version == NEWEST else [t for t in QUICK if t in listed]
