@@ -94,24 +94,34 @@ class RefFetcher:
         ):
             tensors = load_file(path)
         else:
-            url = urljoin(self.server, str(_get(payload, "url")))
-            request = urllib.request.Request(url)
-            if self.api_key:
-                request.add_header("Authorization", f"Bearer {self.api_key}")
-            try:
-                with urllib.request.urlopen(request, timeout=self.timeout_s) as reply:
-                    body = reply.read()
-            except urllib.error.HTTPError as error:
-                raise ValueError(
-                    f"hidden states at {url}: HTTP {error.code}: "
-                    f"{error.read().decode(errors='replace')}"
-                ) from error
+            url = str(_get(payload, "url"))
+            with self._open(url) as reply:
+                body = reply.read()
             if size is not None and len(body) != int(size):
                 raise ValueError(
                     f"hidden states at {url}: {len(body)} bytes, expected {size}"
                 )
             tensors = load(body)
         return tensors["hidden_states"]
+
+    def delete(self, url: str) -> None:
+        """Drop the server's reference at `url` (references also expire)."""
+        self._open(url, "DELETE").close()
+
+    def _open(self, url: str, method: str = "GET") -> Any:
+        """The server's reply to `method` on `url` (relative to `server`),
+        with the API key; an HTTP error raises ValueError with its body."""
+        full = urljoin(self.server, url)
+        request = urllib.request.Request(full, method=method)
+        if self.api_key:
+            request.add_header("Authorization", f"Bearer {self.api_key}")
+        try:
+            return urllib.request.urlopen(request, timeout=self.timeout_s)
+        except urllib.error.HTTPError as error:
+            raise ValueError(
+                f"hidden states at {full}: HTTP {error.code}: "
+                f"{error.read().decode(errors='replace')}"
+            ) from error
 
 
 def decode(payload: Any, fetch: RefFetcher | None = None) -> torch.Tensor:

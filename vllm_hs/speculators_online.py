@@ -87,15 +87,9 @@ class RefTransfer(HiddenStatesTransfer):
 
     def delete(self, handle: str) -> None:
         """Drop the server's reference (it would expire anyway)."""
-        import urllib.request
-        from urllib.parse import urljoin
-
         url = self._urls.pop(handle, None)
         if url is not None:
-            request = urllib.request.Request(
-                urljoin(self.fetch.server, url), method="DELETE"
-            )
-            urllib.request.urlopen(request, timeout=self.fetch.timeout_s).close()
+            self.fetch.delete(url)
 
 
 def _add_path_argument(parser: argparse.ArgumentParser) -> None:
