@@ -60,3 +60,19 @@ def test_compare_command_exit_status(tmp_path: Path) -> None:
             text=True,
         )
         assert result.returncode == status, result.stdout + result.stderr
+
+
+def test_payload_prompt_is_the_asked_size() -> None:
+    from benchmarks.payload import LAYERS, MODEL, prompt_tokens
+
+    tokens = prompt_tokens(256)
+    assert tokens * len(LAYERS) * MODEL["hidden_size"] * 2 == 256 << 20
+
+
+def test_payload_health_windows_take_the_longest_answer_inside() -> None:
+    from benchmarks.payload import health_windows
+
+    samples = [(0.5, 0.010), (1.0, 0.020), (1.5, 0.300), (2.5, 0.040), (9.0, 1.0)]
+    got = health_windows(samples, [(1.0, 2.0), (2.0, 3.0), (3.0, 4.0)])
+    assert got[:2] == [300.0, 40.0]
+    assert got[2] != got[2]  # no answer in the window: NaN, not 0

@@ -85,7 +85,7 @@ def test_round_trip(dtype, encoding, rows):
     assert out.dtype == dtype
     assert out.shape == t.shape
     assert torch.equal(out, t)  # bf16 -> float -> bf16 is exact too
-    # The pydantic object itself (attributes) decodes the same.
+    # The pydantic object itself decodes the same (its data rendered on dump).
     assert torch.equal(decode(encode_hidden_states(t, LAYERS, encoding)), t)
 
 

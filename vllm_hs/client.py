@@ -127,6 +127,11 @@ class RefFetcher:
 def decode(payload: Any, fetch: RefFetcher | None = None) -> torch.Tensor:
     """One payload (dict or object with the wire fields) -> tensor; `fetch`
     reads `"ref"` payloads."""
+    if not isinstance(payload, Mapping) and callable(
+        getattr(payload, "model_dump", None)
+    ):
+        # A pydantic object (vLLM's own payload renders its data only then).
+        payload = payload.model_dump()
     shape = [int(n) for n in _get(payload, "shape")]
     dtype_name = str(_get(payload, "dtype"))
     dtype = getattr(torch, dtype_name, None)

@@ -27,8 +27,8 @@ backend does.
 The backend registers itself when this module is imported, which has to
 happen before speculators builds its command line; run training through
 
-    python -m vllm_hs.speculators_online config.yaml --hidden-states-backend vllm-hs \\
-        --vllm-endpoint http://HOST:8000/v1 ...
+    python -m vllm_hs.speculators_online --config config.yaml \\
+        --hidden-states-backend vllm-hs --vllm-endpoint http://HOST:8000/v1 ...
     torchrun --nproc-per-node N -m vllm_hs.speculators_online ...   (same)
 """
 
