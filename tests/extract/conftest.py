@@ -53,6 +53,7 @@ if EXPECT_PATCHED:
 
 #: Test modules that start engines (in-process or CLI subprocesses).
 ENGINE_MODULES = (
+    "test_acceptance.py",
     "test_extract_bf16.py",
     "test_extract_cli.py",
     "test_extract_engine.py",
