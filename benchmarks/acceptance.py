@@ -404,7 +404,9 @@ def start_server(
     return server.start().wait_ready(timeout=600)
 
 
-def extract(settings: Settings, data: Path, out: Path, fp8: bool, log: Path) -> float:
+def extract(
+    settings: Settings, data: Path, out: Path, fp8: bool, dtype: str, log: Path
+) -> float:
     cmd = [
         sys.executable, "-m", "vllm_hs.cli", "extract",
         "--model", str(settings.model),
@@ -418,8 +420,10 @@ def extract(settings: Settings, data: Path, out: Path, fp8: bool, log: Path) -> 
     ]  # fmt: skip
     if fp8:
         cmd += ["--storage-dtype", "fp8"]
-    # vLLM's engine options (CPU: a KV cache size instead of a memory share).
-    cmd += ["--", *ENGINE_FLAGS]
+    # vLLM's engine options: the model's dtype, as every other way computes in
+    # (vLLM on CPU would run a float32 checkpoint in bfloat16), and on CPU a
+    # KV cache size instead of a memory share.
+    cmd += ["--", "--dtype", dtype, *ENGINE_FLAGS]
     start = time.perf_counter()
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
     with open(log, "w") as f:
@@ -442,6 +446,7 @@ def run(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
     logs = work / "logs"
     logs.mkdir(exist_ok=True)
     t0 = time.perf_counter()
+    structured = settings.model is None
     model, data, prompts = prepare_inputs(settings, work)
     settings.layers = model_layers(model)
     config = json.loads((Path(model) / "config.json").read_text())
@@ -455,7 +460,7 @@ def run(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
     for way in ("vllm_hs", "vllm_hs_fp8"):
         if way in needed:
             seconds[f"extract_{way}"] = extract(
-                settings, data, datasets_dir / way, way.endswith("fp8"),
+                settings, data, datasets_dir / way, way.endswith("fp8"), dtype,
                 logs / f"extract-{way}.log",
             )  # fmt: skip
     common = {"model": model, "source": str(datasets_dir / "vllm_hs"),
@@ -564,6 +569,8 @@ def run(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
         },
         "settings": {
             **asdict(settings),
+            # A label for the table; the directory beside it.
+            "model": "structured target" if structured else model,
             "model_dir": model,
             "max_model_len": max_model_len,
         },
