@@ -125,25 +125,16 @@ def stage_native(payload: dict[str, Any]) -> dict[str, Any]:
     """vLLM's extract_hidden_states connector on the rows of a vllm_hs
     dataset; writes a dataset with the same rows and the connector's states."""
     import datasets
-    import torch
     from safetensors.torch import load_file
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from benchmarks.workload import _locked
-    from vllm_hs.extract.format import hs_path, save_hs_file
+    from benchmarks.workload import wait_native_files
 
-    source, out = Path(payload["source"]), Path(payload["out"])
-    rows = datasets.load_from_disk(str(source))
-    copy_rows(source, out)
+    out = Path(payload["out"])
     files = out / "native-files"
-    llm = LLM(
-        model=payload["model"],
-        dtype=payload["dtype"],
-        max_model_len=payload["max_model_len"],
-        enforce_eager=True,
-        kv_cache_memory_bytes=KV_CACHE_BYTES,
-        seed=0,
+    llm = _engine(
+        payload,
         speculative_config={
             "method": "extract_hidden_states",
             "num_speculative_tokens": 1,
@@ -157,59 +148,72 @@ def stage_native(payload: dict[str, Any]) -> dict[str, Any]:
             "kv_connector_extra_config": {"shared_storage_path": str(files)},
         },
     )
+    rows = datasets.load_from_disk(payload["source"])
     prompts = [
         TokensPrompt(prompt_token_ids=list(map(int, r))) for r in rows["input_ids"]
     ]
     outs = llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)
-    # The last requests' files come on a later engine step: one more request.
-    llm.generate([TokensPrompt(prompt_token_ids=[8, 9])], SamplingParams(max_tokens=1))
-    paths = [o.kv_transfer_params["hidden_states_path"] for o in outs]
-    deadline = time.monotonic() + 300
-    while not all(os.path.exists(p) and not _locked(p + ".lock") for p in paths):
-        if time.monotonic() > deadline:
-            raise TimeoutError("the native connector did not write its files")
-        time.sleep(0.01)
-    for i, (path, ids, mask) in enumerate(
-        zip(paths, rows["input_ids"], rows["loss_mask"], strict=True)
-    ):
-        tensors = load_file(path)
-        if tensors["token_ids"].tolist() != list(map(int, ids)):
-            raise RuntimeError(f"native file {path} is not row {i}")
-        save_hs_file(
-            hs_path(out, i),
-            {"hidden_states": tensors["hidden_states"].contiguous()},
-            torch.tensor(list(map(int, ids)), dtype=torch.int64),
-            i,
-            list(map(int, mask)),
-        )
+    paths = wait_native_files(llm, outs)
+
+    def states(i: int, ids: list[int]) -> Any:
+        tensors = load_file(paths[i])
+        if tensors["token_ids"].tolist() != ids:
+            raise RuntimeError(f"native file {paths[i]} is not row {i}")
+        return tensors["hidden_states"]
+
+    written = write_states(Path(payload["source"]), out, states)
     shutil.rmtree(files, ignore_errors=True)
-    return {"rows": len(paths)}
+    return {"rows": written}
 
 
 def stage_hf(payload: dict[str, Any]) -> dict[str, Any]:
     """HF transformers' forward on the rows of a vllm_hs dataset."""
+    from vllm_hs.hf_reference import hf_hidden_states
+
+    def states(i: int, ids: list[int]) -> Any:
+        return hf_hidden_states(payload["model"], ids, payload["layers"])
+
+    written = write_states(Path(payload["source"]), Path(payload["out"]), states)
+    return {"rows": written}
+
+
+def write_states(source: Path, out: Path, states: Any) -> int:
+    """A dataset in `out` with the rows of `source` and, for row i, the
+    hidden states `states(i, token ids)`; returns the number of rows."""
     import datasets
     import torch
 
     from vllm_hs.extract.format import hs_path, save_hs_file
-    from vllm_hs.hf_reference import hf_hidden_states
 
-    source, out = Path(payload["source"]), Path(payload["out"])
     rows = datasets.load_from_disk(str(source))
     copy_rows(source, out)
     for i, (ids, mask) in enumerate(
         zip(rows["input_ids"], rows["loss_mask"], strict=True)
     ):
         ids = list(map(int, ids))
-        states = hf_hidden_states(payload["model"], ids, payload["layers"])
         save_hs_file(
             hs_path(out, i),
-            {"hidden_states": states.contiguous()},
+            {"hidden_states": states(i, ids).contiguous()},
             torch.tensor(ids, dtype=torch.int64),
             i,
             list(map(int, mask)),
         )
-    return {"rows": len(rows)}
+    return len(rows)
+
+
+def _engine(payload: dict[str, Any], **kwargs: Any) -> Any:
+    """An in-process vLLM engine on the target, as every stage runs it."""
+    from vllm import LLM
+
+    return LLM(
+        model=payload["model"],
+        dtype=payload["dtype"],
+        max_model_len=payload["max_model_len"],
+        enforce_eager=True,
+        kv_cache_memory_bytes=KV_CACHE_BYTES,
+        seed=0,
+        **kwargs,
+    )
 
 
 def copy_rows(source: Path, out: Path) -> None:
@@ -292,18 +296,13 @@ def _speculators_on_cpu() -> None:
 
 def stage_serve(payload: dict[str, Any]) -> dict[str, Any]:
     """Held-out prompts through vLLM with the draft: the engine's counters."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from vllm_hs.testing.harness import engine_metric
 
-    llm = LLM(
-        model=payload["model"],
-        dtype=payload["dtype"],
-        max_model_len=payload["max_model_len"],
-        enforce_eager=True,
-        kv_cache_memory_bytes=KV_CACHE_BYTES,
-        seed=0,
+    llm = _engine(
+        payload,
         disable_log_stats=False,
         speculative_config={
             "method": "eagle3",

@@ -276,9 +276,7 @@ def ipc_hop_seconds(nbytes: int, frames: int, rounds: int = 10) -> float:
     return statistics.median(times)
 
 
-def write_outputs(
-    llm: Any, outs: list, spec: dict[str, Any], tag: str, tp: Any
-) -> None:
+def write_outputs(llm: Any, outs: list, spec: dict[str, Any], tag: str) -> None:
     """Put each request's states on disk in the training-data layout
     (`hs_{i}.safetensors`: hidden_states [T, K, H], token_ids [T]).
 
@@ -291,7 +289,6 @@ def write_outputs(
 
     import torch
     from safetensors.torch import save_file
-    from vllm import SamplingParams
 
     directory = Path(spec["write_dir"]) / tag
     if getattr(outs[0], "prompt_hidden_states", None) is not None:
@@ -305,17 +302,29 @@ def write_outputs(
                 str(directory / f"hs_{i}.safetensors"),
             )
     elif spec.get("native"):
-        llm.generate(
-            [tp(prompt_token_ids=[8, 9])], SamplingParams(max_tokens=1), use_tqdm=False
-        )
-        paths = [o.kv_transfer_params["hidden_states_path"] for o in outs]
-        deadline = time.monotonic() + 300
-        # A file is complete once it exists and its .lock is released.
-        while not all(os.path.exists(p) and not _locked(p + ".lock") for p in paths):
-            if time.monotonic() > deadline:
-                raise TimeoutError("native connector did not write its files")
-            time.sleep(0.002)
+        wait_native_files(llm, outs)
     shutil.rmtree(Path(spec["write_dir"]), ignore_errors=True)
+
+
+def wait_native_files(llm: Any, outs: list) -> list[str]:
+    """The files vLLM's native extract_hidden_states connector writes for
+    `outs`, once complete: the last ones come only on a later engine step, so
+    step once more, then wait for each file and the release of its .lock."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm.generate(
+        [TokensPrompt(prompt_token_ids=[8, 9])],
+        SamplingParams(max_tokens=1),
+        use_tqdm=False,
+    )
+    paths = [o.kv_transfer_params["hidden_states_path"] for o in outs]
+    deadline = time.monotonic() + 300
+    while not all(os.path.exists(p) and not _locked(p + ".lock") for p in paths):
+        if time.monotonic() > deadline:
+            raise TimeoutError("native connector did not write its files")
+        time.sleep(0.002)
+    return paths
 
 
 def _locked(path: str) -> bool:
@@ -411,7 +420,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     warm = prompts if spec.get("warmup", "full") == "full" else prompts[:2]
     outs = llm.generate(warm, params(None), use_tqdm=False)
     if spec.get("write_dir"):
-        write_outputs(llm, outs, spec, "warmup", TokensPrompt)
+        write_outputs(llm, outs, spec, "warmup")
     del outs
     timings: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
     names = list(variants)
@@ -427,7 +436,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                 outs = llm.generate(prompts, params(variants[name]), use_tqdm=False)
                 generate_s = time.perf_counter() - t0
                 if spec.get("write_dir"):
-                    write_outputs(llm, outs, spec, f"{name}-{r}", TokensPrompt)
+                    write_outputs(llm, outs, spec, f"{name}-{r}")
                 wall = time.perf_counter() - t0
             tokens = sum(
                 len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in outs
