@@ -16,7 +16,7 @@ sequences obtained in each of these ways:
 ``online`` trains the same draft through speculators' online mode instead:
 its ``ArrowDataset`` asks a patched ``vllm serve`` (started with
 ``respond_in_kv_transfer_params``) for each sample's states and fetches them
-by reference (``--hidden-states-backend vllm-hs``, `vllm_hs.speculators_online`);
+by reference (``--hidden-states-backend vllm-hs``, `vllm_hs.client.speculators_online`);
 and ``untrained`` (speculators' initialised draft, no step taken) is the
 floor. Every dataset shares ``vllm_hs``'s Arrow rows (``input_ids``,
 ``loss_mask``): only the states differ. Each draft then serves held-out
@@ -25,7 +25,7 @@ speculative tokens), and the engine's counters give the acceptance rate
 (accepted / drafted tokens) and the mean acceptance length (1 + accepted /
 drafts).
 
-The default target is `vllm_hs.testing.structured_target` (a tiny Llama
+The default target is `vllm_hs.models.structured_target` (a tiny Llama
 trained on a synthetic language whose replies follow from the prompt), its
 ``train`` conversations the data and its ``heldout`` prompts the evaluation.
 
@@ -229,7 +229,7 @@ def stage_train(payload: dict[str, Any]) -> dict[str, Any]:
     """speculators' own trainer (`speculators train`), on CPU."""
     if payload.get("endpoint"):
         # Registers the vllm-hs backend before speculators reads its options.
-        import vllm_hs.speculators_online  # noqa: F401
+        import vllm_hs.client.speculators_online  # noqa: F401
     _speculators_on_cpu()
     from speculators.train.cli import main
     from speculators.train.config import TrainConfig
@@ -335,12 +335,12 @@ def prepare_inputs(settings: Settings, work: Path) -> tuple[str, Path, list[list
     from transformers import AutoTokenizer
 
     if settings.model is None:
-        from vllm_hs.testing.structured_target import build_structured_target
+        from vllm_hs.models.structured_target import build_structured_target
 
         settings.model = str(build_structured_target(seed=settings.seed))
     tokenizer = AutoTokenizer.from_pretrained(settings.model)
     if settings.data is None:
-        from vllm_hs.testing.structured_target import conversations
+        from vllm_hs.models.structured_target import conversations
 
         train = conversations(settings.train_conversations, "train")
         heldout = conversations(settings.eval_prompts, "heldout")
@@ -375,7 +375,7 @@ def _messages(record: dict[str, Any]) -> list[dict[str, str]]:
 
 def model_layers(model: str) -> list[int]:
     """The extract default for the model: three aux layers, then L."""
-    from vllm_hs.extract.layers import default_layers
+    from vllm_hs.layer_ids import default_layers
 
     config = json.loads((Path(model) / "config.json").read_text())
     config = config.get("text_config", config)

@@ -157,9 +157,9 @@ def main(argv: list[str] | None = None) -> int:
         plan_samples,
         shipped_conversations_path,
     )
-    from vllm_hs.extract.layers import default_layers
     from vllm_hs.extract.runner import extract
-    from vllm_hs.tiny_model import build_tiny_model
+    from vllm_hs.layer_ids import default_layers
+    from vllm_hs.models.tiny import build_tiny_model
 
     sizes = MODELS[args.model]
     model_dir = str(build_tiny_model("llama", "float32", **sizes))

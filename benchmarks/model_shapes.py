@@ -57,7 +57,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.ji
 
 def write_shape(name: str, dest: Path) -> Path:
     """Write `dest/config.json` of shape `name` with the tiny model's tokenizer."""
-    from vllm_hs.tiny_model import build_tiny_model
+    from vllm_hs.models.tiny import build_tiny_model
 
     if name not in SHAPES:
         raise SystemExit(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")

@@ -163,8 +163,8 @@ def health_windows(
 
 
 def run(args: argparse.Namespace) -> list[SuiteResult]:
+    from vllm_hs.models.tiny import build_tiny_model
     from vllm_hs.testing.server import ServerProcess
-    from vllm_hs.tiny_model import build_tiny_model
 
     tokens = prompt_tokens(args.size_mib)
     model = build_tiny_model(

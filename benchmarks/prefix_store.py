@@ -36,7 +36,7 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from vllm_hs.tiny_model import build_tiny_model
+    from vllm_hs.models.tiny import build_tiny_model
 
     sizes = MODELS[spec["model"]]
     path = str(build_tiny_model("llama", "float32", **sizes))

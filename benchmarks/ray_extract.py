@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import vllm
 
-    from vllm_hs.tiny_model import build_tiny_model
+    from vllm_hs.models.tiny import build_tiny_model
 
     t0 = time.perf_counter()
     load_before = os.getloadavg()

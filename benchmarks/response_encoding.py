@@ -114,6 +114,8 @@ def facts() -> tuple[dict[str, Any], dict[str, Any]]:
     import torch
     import vllm
 
+    from vllm_hs.patched_vllm import is_patched
+
     try:
         from benchmarks.common import machine_facts
 
@@ -131,7 +133,7 @@ def facts() -> tuple[dict[str, Any], dict[str, Any]]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "vllm": getattr(vllm, "__version__", "unknown"),
-        "vllm_patched": hasattr(vllm, "HiddenStatesParams"),
+        "vllm_patched": is_patched(vllm),
         "pybase64": getattr(pybase64, "__version__", "unknown"),
         "pydantic": pydantic.VERSION,
     }

@@ -78,9 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     from vllm import LLM
 
     from vllm_hs.extract.inputs import load_conversations, shipped_conversations_path
-    from vllm_hs.extract.layers import default_layers
     from vllm_hs.extract.runner import extract
-    from vllm_hs.tiny_model import build_tiny_model
+    from vllm_hs.layer_ids import default_layers
+    from vllm_hs.models.tiny import build_tiny_model
 
     t0 = time.perf_counter()
     load_before = os.getloadavg()

@@ -83,7 +83,7 @@ def model_dir(settings: Settings) -> tuple[str, dict[str, int]]:
             "hidden_size": int(config["hidden_size"]),
         }
         return settings.model, sizes
-    from vllm_hs.tiny_model import build_tiny_model
+    from vllm_hs.models.tiny import build_tiny_model
 
     sizes = MODELS[settings.model]
     path = build_tiny_model("llama", "float32", **sizes)
@@ -400,7 +400,7 @@ def eagle3(settings: Settings) -> SuiteResult:
     batches alternating on one patched engine. The draft reads the target's
     layers 1, 2, 3 and the channel 1, 2, 3, 4 (one capture serves both); it is
     the tiny draft trained on the target's continuations of the 32 prompts
-    used here (`vllm_hs.testing.eagle3_draft`), so drafts are accepted.
+    used here (`vllm_hs.models.eagle3_draft`), so drafts are accepted.
     Records each batch's draft and accepted tokens: the acceptance rate must
     not change with states on."""
     if settings.model != "tiny":
@@ -408,7 +408,7 @@ def eagle3(settings: Settings) -> SuiteResult:
             "the eagle3 suite runs on --model tiny: its draft is trained for "
             f"the tiny model, not {settings.model!r}"
         )
-    from vllm_hs.testing.eagle3_draft import build_eagle3_draft, training_prompts
+    from vllm_hs.models.eagle3_draft import build_eagle3_draft, training_prompts
 
     path, sizes = model_dir(settings)
     draft = build_eagle3_draft(path)
@@ -711,7 +711,7 @@ def memory(settings: Settings) -> SuiteResult:
     path, sizes = model_dir(settings)
     if settings.model in MODELS:
         # The seeded model with room for the long prompt (same weights).
-        from vllm_hs.tiny_model import build_tiny_model
+        from vllm_hs.models.tiny import build_tiny_model
 
         path = str(
             build_tiny_model(

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 from typing import Any
 
 import pytest
@@ -25,11 +24,12 @@ from vllm_hs.client import (
     from_stream,
     sse_events,
 )
+from vllm_hs.patched_vllm import expect_patched
 
 try:
     import vllm  # noqa: F401
 except ImportError:
-    if os.environ.get("VLLM_HS_EXPECT_PATCHED") == "1":
+    if expect_patched():
         raise
     encode_hidden_states = None
 else:

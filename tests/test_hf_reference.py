@@ -11,17 +11,16 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from vllm_hs.hf_reference import (  # noqa: E402
-    FINAL_NORM,
     TOLERANCES,
     assert_states_close,
     hf_greedy,
     hf_hidden_states,
     hf_sequence_states,
     load_hf_model,
-    resolve_layer_ids,
     tolerances_for,
 )
-from vllm_hs.tiny_model import build_tiny_model  # noqa: E402
+from vllm_hs.layer_ids import FINAL_NORM, resolve_layer_ids  # noqa: E402
+from vllm_hs.models.tiny import build_tiny_model  # noqa: E402
 
 L = 4  # num_hidden_layers of the default tiny model
 ALL_LAYERS = [*range(L + 1), FINAL_NORM]

@@ -1,4 +1,4 @@
-"""`vllm_hs.speculators_online` without a server: the backend's transfer reads
+"""`vllm_hs.client.speculators_online` without a server: the backend's transfer reads
 extracted hs files first (--hidden-states-path), decodes a server's
 kv_transfer_params, and refuses a response without states."""
 
@@ -14,7 +14,7 @@ from vllm_hs.extract.format import save_hs_file
 
 
 def _transfer(path: Path | None):
-    from vllm_hs.speculators_online import VllmHsBackend
+    from vllm_hs.client.speculators_online import VllmHsBackend
 
     args = argparse.Namespace(
         hidden_states_path=str(path) if path else None,

@@ -1,4 +1,4 @@
-"""The structured target (vllm_hs.testing.structured_target): its language,
+"""The structured target (vllm_hs.models.structured_target): its language,
 its token encoding (the chat template's, exactly), its splits, and a short
 build that transformers loads. How well the full build learns the language is
 recorded in its structured_target.json and measured by benchmarks.acceptance."""
@@ -13,8 +13,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from vllm_hs.testing import structured_target as st  # noqa: E402
-from vllm_hs.tiny_model import _train_tokenizer  # noqa: E402
+from vllm_hs.models import structured_target as st  # noqa: E402
+from vllm_hs.models.tiny import _train_tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Tests of vllm_hs.tiny_model: determinism, cache, archs/dtypes, tokenizer, chat."""
+"""Tests of vllm_hs.models.tiny: determinism, cache, archs/dtypes, tokenizer, chat."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from vllm_hs import tiny_model  # noqa: E402
-from vllm_hs.tiny_model import (  # noqa: E402
+from vllm_hs.models import tiny as tiny_model  # noqa: E402
+from vllm_hs.models.tiny import (  # noqa: E402
     ARCHES,
     COMPLETE_MARKER,
     SPECIAL_TOKENS,

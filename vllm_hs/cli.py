@@ -1,4 +1,4 @@
-"""The `vllm-hs` command line: parser assembly, shared options, exit codes, logging.
+"""The `vllm-hs` command line: assembles the subcommands' parsers and dispatches.
 
 One subcommand per module, vLLM style. Adding a subcommand: write a module with
 
@@ -7,7 +7,8 @@ One subcommand per module, vLLM style. Adding a subcommand: write a module with
         parser.add_argument(...)            # a help= for every flag
         parser.set_defaults(handler=run)    # run(args: argparse.Namespace) -> int
 
-and list it in SUBCOMMAND_MODULES. `run` returns the exit status and raises
+and list it in SUBCOMMAND_MODULES. Exit codes, the parser class and shared
+options come from `vllm_hs.command`. `run` returns the exit status and raises
 VllmHsError for failures the user should read as one message. Every listed module
 is imported to build `--help`, so import heavy dependencies (vllm, torch) inside
 `run`, not at module level.
@@ -21,19 +22,18 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 import sys
-import textwrap
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
 
 from vllm_hs import __version__
+from vllm_hs.command import (
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    ArgumentParser,
+    configure_logging,
+)
 from vllm_hs.errors import VllmHsError
-
-EXIT_OK = 0
-EXIT_ERROR = 1  # a VllmHsError: one message on stderr
-EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
 
 SUBCOMMAND_MODULES: tuple[str, ...] = (
     "vllm_hs.series.apply",
@@ -47,35 +47,6 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "vllm_hs.series.lint",
     "vllm_hs.series.upstream_tests",
 )
-
-
-class HelpFormatter(argparse.HelpFormatter):
-    """Wraps description and epilog paragraphs; keeps indented lines (examples)."""
-
-    def _fill_text(self, text: str, width: int, indent: str) -> str:
-        paragraphs = []
-        for paragraph in text.split("\n\n"):
-            lines = paragraph.splitlines()
-            if any(line.startswith(" ") for line in lines[1:]):
-                paragraphs.append("\n".join(indent + line for line in lines))
-            else:
-                paragraphs.append(
-                    textwrap.fill(
-                        " ".join(paragraph.split()),
-                        width,
-                        initial_indent=indent,
-                        subsequent_indent=indent,
-                    )
-                )
-        return "\n\n".join(paragraphs)
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """The parser class of vllm-hs and (through add_subparsers) its subcommands."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("formatter_class", HelpFormatter)
-        super().__init__(*args, **kwargs)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,29 +65,6 @@ def build_parser() -> argparse.ArgumentParser:
     for module_name in SUBCOMMAND_MODULES:
         importlib.import_module(module_name).add_parser(subparsers)
     return parser
-
-
-def add_series_dir_option(parser: argparse.ArgumentParser) -> None:
-    """`--series-dir DIR`, shared by every command that reads a patch series."""
-    parser.add_argument(
-        "--series-dir",
-        type=lambda value: Path(value).resolve(),  # commands change directory
-        metavar="DIR",
-        default=None,
-        help="folder holding one v<version>/ series folder per vLLM version "
-        "(default: the series shipped with this vllm-hs)",
-    )
-
-
-def configure_logging(level: int = logging.INFO) -> None:
-    """Show vllm_hs's log records on stderr as ``vllm-hs: <message>`` (once)."""
-    logger = logging.getLogger("vllm_hs")
-    if not logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("vllm-hs: %(message)s"))
-        logger.addHandler(handler)
-        logger.propagate = False
-    logger.setLevel(level)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

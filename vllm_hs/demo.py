@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_hs.errors import import_patched_vllm
+from vllm_hs.patched_vllm import import_patched_vllm
 
 DEMO_PROMPTS = (
     "The quick brown fox jumps over the lazy dog because",
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     vllm = import_patched_vllm()
     LLM, SamplingParams = vllm.LLM, vllm.SamplingParams
 
-    from vllm_hs.tiny_model import build_tiny_model
+    from vllm_hs.models.tiny import build_tiny_model
 
     started = time.perf_counter()
     model_dir = str(build_tiny_model("llama", "float32"))

@@ -1,17 +1,10 @@
 """HuggingFace transformers reference for hidden states: the ground truth that engine
 tests compare against.
 
-Layer-id convention (vLLM's EAGLE-3 aux-hidden-state convention; ``L`` =
-``num_hidden_layers``):
-
-* ``k`` in ``[0, L)``: the residual stream *entering* decoder layer ``k``
-  (``hidden_states + residual`` in vLLM) = HF ``outputs.hidden_states[k]``;
-  ``k = 0`` is the embedding output.
-* ``L``, and ``-1`` as an alias of ``L``: the output of the last decoder layer
-  *before* the final norm. HF's ``hidden_states[L]`` is *after* the final norm in
-  Llama/Qwen, so this value is captured from the input of ``model.model.norm``.
-* ``"final_norm"``: the state after the final norm, the input of the LM head
-  (= HF ``hidden_states[-1]``).
+Layer ids follow `vllm_hs.layer_ids` (vLLM's EAGLE-3 convention): ``k`` < ``L``
+is the residual stream entering decoder layer ``k``, ``L`` (or ``-1``) the last
+layer's output before the final norm (captured from the final norm's input),
+``"final_norm"`` the LM head's input.
 
 Tensors are ``[T, K, H]``: row ``t`` is the position of ``token_ids[t]``, column
 ``k`` is ``layers[k]``, dtype is the model's dtype. One forward pass over the whole
@@ -28,10 +21,10 @@ from typing import Any
 
 import torch
 
+from vllm_hs.layer_ids import FINAL_NORM, LayerId, resolve_layer_ids
+
 __all__ = [
-    "FINAL_NORM",
     "TOLERANCES",
-    "LayerId",
     "Tolerance",
     "assert_states_close",
     "clear_hf_model_cache",
@@ -39,13 +32,8 @@ __all__ = [
     "hf_hidden_states",
     "hf_sequence_states",
     "load_hf_model",
-    "resolve_layer_ids",
     "tolerances_for",
 ]
-
-FINAL_NORM = "final_norm"
-
-LayerId = int | str
 
 
 @dataclass(frozen=True)
@@ -138,37 +126,6 @@ def _config_dtype(model_dir: str) -> torch.dtype:
 def clear_hf_model_cache() -> None:
     """Drop every model cached by `load_hf_model`."""
     _MODEL_CACHE.clear()
-
-
-def resolve_layer_ids(
-    layers: Sequence[LayerId], num_hidden_layers: int
-) -> list[LayerId]:
-    """Validate layer ids and map ``-1`` to ``L``; returns ints in ``[0, L]`` or
-    ``"final_norm"``."""
-    if isinstance(layers, (str, int)):
-        raise TypeError("layers must be a sequence of layer ids, not a single id")
-    num = num_hidden_layers
-    out: list[LayerId] = []
-    for layer in layers:
-        if isinstance(layer, str):
-            if layer != FINAL_NORM:
-                raise ValueError(f"unknown layer id {layer!r}; strings: {FINAL_NORM!r}")
-            out.append(layer)
-        elif isinstance(layer, int) and not isinstance(layer, bool):
-            if layer == -1:
-                out.append(num)
-            elif 0 <= layer <= num:
-                out.append(layer)
-            else:
-                raise ValueError(
-                    f"layer id {layer} out of range: allowed 0..{num} "
-                    f"(num_hidden_layers), -1 (= {num}) or {FINAL_NORM!r}"
-                )
-        else:
-            raise TypeError(f"layer id must be int or str, got {type(layer).__name__}")
-    if not out:
-        raise ValueError("layers must not be empty")
-    return out
 
 
 def _check_token_ids(token_ids: Sequence[int], vocab_size: int) -> list[int]:

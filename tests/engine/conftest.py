@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_hs.testing import patched_vllm_skip_reason
+from vllm_hs.models.tiny import build_tiny_model
+from vllm_hs.patched_vllm import skip_reason
 from vllm_hs.testing.harness import (
     BUDGET,
     CAP_BYTES,
@@ -18,9 +19,8 @@ from vllm_hs.testing.harness import (
     PREFIX_STORE_BYTES,
     engine,
 )
-from vllm_hs.tiny_model import build_tiny_model
 
-SKIP_REASON = patched_vllm_skip_reason()
+SKIP_REASON = skip_reason()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from vllm_hs.hf_reference import hf_greedy
-from vllm_hs.testing.eagle3_draft import build_eagle3_draft, training_prompts
+from vllm_hs.models.eagle3_draft import build_eagle3_draft, training_prompts
 from vllm_hs.testing.harness import (
     Expect,
     check_stop_inside_drafts,

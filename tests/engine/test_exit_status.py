@@ -26,7 +26,7 @@ SCRIPT = textwrap.dedent(
     """
     import sys, torch
     from vllm import LLM, SamplingParams
-    from vllm_hs.tiny_model import build_tiny_model
+    from vllm_hs.models.tiny import build_tiny_model
     from vllm_hs.hf_reference import load_hf_model
 
     def main():

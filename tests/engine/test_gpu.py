@@ -47,7 +47,7 @@ def runner(request, monkeypatch) -> str:
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_channel_on_cuda(mode, dtype, runner):
-    from vllm_hs.tiny_model import build_tiny_model
+    from vllm_hs.models.tiny import build_tiny_model
 
     model_dir = str(build_tiny_model("llama", dtype))
     layers = [0, 2, -1, "final_norm"]
@@ -92,7 +92,7 @@ def test_generic_capture_with_cuda_graphs(name, runner):
     against HF."""
     from transformers import AutoConfig
 
-    from vllm_hs.testing.architectures import build_architecture_model
+    from vllm_hs.models.architectures import build_architecture_model
 
     model_dir = str(build_architecture_model(name))
     num_layers = AutoConfig.from_pretrained(model_dir).get_text_config()
@@ -128,8 +128,8 @@ def test_channel_under_the_ray_executor(runner):
     raises "current platform cpu does not support ray"; upstream issue #21602,
     PR #25386 closed unmerged)."""
     pytest.importorskip("ray")
+    from vllm_hs.models.tiny import build_tiny_model
     from vllm_hs.testing import poll_until_empty
-    from vllm_hs.tiny_model import build_tiny_model
 
     model_dir = str(build_tiny_model("llama", "float32"))
     layers = [0, 2, -1, "final_norm"]
@@ -184,12 +184,12 @@ def test_channel_under_the_ray_executor(runner):
 
 def test_eagle3_speculation_on_cuda(runner):
     """EAGLE-3 speculation with states (the tiny draft of
-    `vllm_hs.testing.eagle3_draft`), async scheduling and CUDA graphs: rows of
+    `vllm_hs.models.eagle3_draft`), async scheduling and CUDA graphs: rows of
     accepted tokens equal HF on the final sequence, in a batch mixing requests
     with and without states; drafts both accepted and rejected."""
-    from vllm_hs.testing.eagle3_draft import build_eagle3_draft, training_prompts
+    from vllm_hs.models.eagle3_draft import build_eagle3_draft, training_prompts
+    from vllm_hs.models.tiny import build_tiny_model
     from vllm_hs.testing.harness import engine_metric
-    from vllm_hs.tiny_model import build_tiny_model
 
     model_dir = str(build_tiny_model("llama", "float32"))
     draft = str(build_eagle3_draft(model_dir))

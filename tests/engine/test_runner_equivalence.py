@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import vllm.envs
 
-from vllm_hs.testing.eagle3_draft import build_eagle3_draft, training_prompts
+from vllm_hs.models.eagle3_draft import build_eagle3_draft, training_prompts
 from vllm_hs.testing.harness import (
     engine,
     engine_metric,

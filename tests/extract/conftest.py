@@ -21,12 +21,13 @@ from typing import Any
 
 import pytest
 
+from vllm_hs.patched_vllm import expect_patched, is_patched
 from vllm_hs.testing import engine
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-EXPECT_PATCHED = os.environ.get("VLLM_HS_EXPECT_PATCHED") == "1"
+EXPECT_PATCHED = expect_patched()
 
 #: Layers of the test engine: three aux layers and L = 4 (the CLI default for the
 #: tiny model).
@@ -40,7 +41,7 @@ def _missing(modules: tuple[str, ...]) -> str:
             module = importlib.import_module(name)
         except ImportError as e:
             return f"{name} is not installed ({e})"
-        if name == "vllm" and not hasattr(module, "HiddenStatesParams"):
+        if name == "vllm" and not is_patched(module):
             return f"vllm at {module.__file__} is unpatched"
     return ""
 
@@ -90,7 +91,7 @@ def need_datasets() -> None:
 
 @pytest.fixture(scope="session")
 def model_dir() -> str:
-    from vllm_hs.tiny_model import build_tiny_model
+    from vllm_hs.models.tiny import build_tiny_model
 
     return str(build_tiny_model("llama", "float32"))
 

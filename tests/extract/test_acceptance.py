@@ -24,7 +24,7 @@ if str(REPO) not in sys.path:
 
 def test_vllm_hs_draft_is_accepted_like_the_hf_draft(tmp_path: Path) -> None:
     from benchmarks.acceptance import Settings, run
-    from vllm_hs.testing.structured_target import build_structured_target
+    from vllm_hs.models.structured_target import build_structured_target
 
     settings = Settings(
         model=str(build_structured_target(steps=500)),

@@ -17,7 +17,7 @@ LAYERS = [1, 2, 3, 4]
 
 @pytest.fixture(scope="module")
 def qwen3_bf16() -> str:
-    from vllm_hs.tiny_model import build_tiny_model
+    from vllm_hs.models.tiny import build_tiny_model
 
     return str(build_tiny_model("qwen3", "bfloat16"))
 

@@ -504,7 +504,7 @@ def test_chat_template_override(llm, conversations, tmp_path, run_extract, token
     """--chat-template: a template without generation markers renders the same
     tokens; the mask then comes from prefix renders (the newline after each
     assistant <|im_end|> counts too) and the manifest records the template."""
-    from vllm_hs.tiny_model import CHAT_TEMPLATE
+    from vllm_hs.models.tiny import CHAT_TEMPLATE
 
     template = CHAT_TEMPLATE.replace("{%- generation -%}", "").replace(
         "{%- endgeneration -%}", ""

@@ -22,8 +22,8 @@ from vllm_hs.extract.inputs import (
     render_with_mask,
     shipped_conversations_path,
 )
-from vllm_hs.extract.layers import default_layers, parse_layers
-from vllm_hs.tiny_model import CHAT_TEMPLATE
+from vllm_hs.layer_ids import default_layers, parse_layers
+from vllm_hs.models.tiny import CHAT_TEMPLATE
 
 OPENAI = [
     {

@@ -23,12 +23,13 @@ from test_extract_cli import assert_same_extraction, digests, vllm_hs
 from vllm_hs.extract.cli import DEFAULT_OUTPUT
 from vllm_hs.extract.format import FINGERPRINT_KEYS, HS_DIR, MANIFEST
 from vllm_hs.extract.inputs import load_conversations, shipped_conversations_path
+from vllm_hs.patched_vllm import expect_patched
 
 NUM = 300  # conversations shipped with vllm-hs
 RAY = ("--ray", "--replicas", "2", "--ray-batch-size", "8")
 
 pytestmark = pytest.mark.skipif(
-    not os.environ.get("VLLM_HS_EXPECT_PATCHED")
+    not expect_patched()
     and subprocess.run(
         [sys.executable, "-c", "import ray.data"], capture_output=True
     ).returncode,

@@ -313,7 +313,7 @@ def test_series_dir_is_resolved_before_commands_change_directory(
 ) -> None:
     import argparse
 
-    from vllm_hs.cli import add_series_dir_option
+    from vllm_hs.command import add_series_dir_option
 
     monkeypatch.chdir(tmp_path)
     parser = argparse.ArgumentParser()

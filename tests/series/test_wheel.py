@@ -7,7 +7,6 @@ import csv
 import hashlib
 import io
 import json
-import os
 import subprocess
 import sys
 import zipfile
@@ -20,6 +19,7 @@ from packaging.tags import sys_tags
 from packaging.utils import parse_wheel_filename
 
 from vllm_hs.errors import VllmHsError
+from vllm_hs.patched_vllm import expect_patched
 from vllm_hs.series import wheel as wheel_module
 from vllm_hs.series.model import MARKER_FILE, load_series
 from vllm_hs.series.status import installed_status
@@ -250,7 +250,7 @@ def test_exact_pin_is_served_from_cache_without_pip(
 def test_installed_vllm_is_the_patched_wheel() -> None:
     """In the tox envs (VLLM_HS_EXPECT_PATCHED=1) vllm must be our patched wheel."""
     status = installed_status()
-    expected = os.environ.get("VLLM_HS_EXPECT_PATCHED") == "1"
+    expected = expect_patched()
     if status.tree is None:
         pytest.skip("vllm is not installed")
     if not status.patched and not expected:

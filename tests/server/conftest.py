@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from vllm_hs.testing import expected_model_runner, patched_vllm_skip_reason
+from vllm_hs.patched_vllm import skip_reason
+from vllm_hs.testing import expected_model_runner
 
-SKIP_REASON = patched_vllm_skip_reason()
+SKIP_REASON = skip_reason()
 
 from vllm_hs.testing.server import (  # noqa: E402
     HS_CONFIG,
@@ -26,7 +27,7 @@ from vllm_hs.testing.server import (  # noqa: E402
     ServerProcess,
 )
 
-# The server speculators' online training reads (vllm_hs.speculators_online):
+# The server speculators' online training reads (vllm_hs.client.speculators_online):
 # the layers `vllm-hs extract` writes for the tiny model, answered in
 # kv_transfer_params.
 ONLINE_CONFIG = {"layers": [1, 2, 3, 4], "respond_in_kv_transfer_params": True}
@@ -36,7 +37,7 @@ SPEC_ARGS = (
     '{"method": "ngram", "num_speculative_tokens": 3, '
     '"prompt_lookup_min": 1, "prompt_lookup_max": 3}',
 )
-from vllm_hs.tiny_model import build_tiny_model  # noqa: E402
+from vllm_hs.models.tiny import build_tiny_model  # noqa: E402
 
 
 def pytest_configure(config: pytest.Config) -> None:

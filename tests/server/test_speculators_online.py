@@ -1,6 +1,6 @@
 """speculators' online training against a real patched `vllm serve`: its
 ArrowDataset, with `on_missing="generate"` and the `vllm-hs` backend
-(vllm_hs.speculators_online), asks the server for every sample and the rows it
+(vllm_hs.client.speculators_online), asks the server for every sample and the rows it
 hands to training equal HF transformers' rows; nothing goes through files."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ HIDDEN = 128
 
 def test_backend_is_a_choice_of_speculators_train():
     proc = subprocess.run(
-        [sys.executable, "-m", "vllm_hs.speculators_online", "--help"],
+        [sys.executable, "-m", "vllm_hs.client.speculators_online", "--help"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -37,13 +37,13 @@ def test_dataset_generates_hf_rows_from_the_server(
     from speculators.train.data import ArrowDataset
     from transformers import AutoTokenizer
 
+    from vllm_hs.client.speculators_online import VllmHsBackend
     from vllm_hs.extract.format import HS_DIR, Row, write_arrow
     from vllm_hs.extract.inputs import (
         load_conversations,
         render_with_mask,
         shipped_conversations_path,
     )
-    from vllm_hs.speculators_online import VllmHsBackend
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     conversations = load_conversations(shipped_conversations_path())[0][:NUM]
@@ -108,7 +108,7 @@ def test_a_request_asking_for_states_is_answered_as_usual(online_server, model_d
     payload = params["hidden_states"]
     assert payload["shape"] == [5, 4, HIDDEN] and payload["encoding"] == "ref"
     assert "data" not in payload  # a handle, not the rows
-    from vllm_hs.speculators_online import RefTransfer
+    from vllm_hs.client.speculators_online import RefTransfer
 
     transfer = RefTransfer(online_server.base_url)
     got = transfer.get_generated(params)

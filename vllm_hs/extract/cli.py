@@ -21,19 +21,20 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from vllm_hs.cli import ArgumentParser
-from vllm_hs.errors import VllmHsError, import_extra, import_patched_vllm
+from vllm_hs.command import ArgumentParser
+from vllm_hs.errors import VllmHsError, import_extra
 from vllm_hs.extract.format import SKIPPED, ExtractResult, merge_shards, shard_dir
 from vllm_hs.extract.inputs import (
     ConversationError,
     load_conversations,
     shipped_conversations_path,
 )
-from vllm_hs.extract.layers import parse_layers
 from vllm_hs.extract.on_ray import check_ray_options
 from vllm_hs.extract.runner import extract
 from vllm_hs.extract.storage import STORAGE_CHOICES
 from vllm_hs.extract.trainers import FORMATS, sample_files
+from vllm_hs.layer_ids import parse_layers
+from vllm_hs.patched_vllm import import_patched_vllm
 
 __all__ = ["DEFAULT_OUTPUT", "EMBEDDED_ENGINE_DEFAULTS", "add_parser", "run"]
 
@@ -509,7 +510,7 @@ def run(args: argparse.Namespace) -> int:
 
     engine_kwargs: dict[str, Any] = {}
     if args.model is None:
-        from vllm_hs.tiny_model import build_tiny_model
+        from vllm_hs.models.tiny import build_tiny_model
 
         model = str(build_tiny_model("llama", "float32"))
         engine_kwargs.update(EMBEDDED_ENGINE_DEFAULTS)

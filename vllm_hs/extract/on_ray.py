@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from vllm_hs.errors import VllmHsError, import_extra, import_patched_vllm
+from vllm_hs.errors import VllmHsError, import_extra
 from vllm_hs.extract.format import ExtractResult, Row, Skip
 from vllm_hs.extract.inputs import Conversation, Sample
 from vllm_hs.extract.runner import (
@@ -50,6 +50,7 @@ from vllm_hs.extract.runner import (
     progress_bar,
     run_samples,
 )
+from vllm_hs.patched_vllm import import_patched_vllm
 
 __all__ = [
     "BatchReport",

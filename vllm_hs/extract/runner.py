@@ -47,11 +47,11 @@ from vllm_hs.extract.inputs import (
     plan_samples,
     render_with_mask,
 )
-from vllm_hs.extract.layers import describe_layers
 from vllm_hs.extract.outdir import finalize, finish_compaction, open_output
 from vllm_hs.extract.storage import FP8, reading_note, stored_dtype
 from vllm_hs.extract.trainers import sample_files
 from vllm_hs.extract.writer import WriteJob, Writer
+from vllm_hs.layer_ids import describe_layers
 
 __all__ = [
     "ExtractJob",

@@ -48,10 +48,10 @@ from vllm_hs.extract.format import (
     read_hs_meta,
     save_hs_file,
 )
+from vllm_hs.layer_ids import FINAL_NORM
 
 __all__ = ["FORMATS", "SampleFiles", "sample_files"]
 
-FINAL_NORM = "final_norm"
 SPECFORGE_GROUP = 2000
 """Samples per ``rows_{g}-{g+G}`` directory, as SpecForge's generator groups them."""
 
@@ -99,7 +99,7 @@ class SampleFiles:
         """Raise VllmHsError if the trainer cannot use these columns."""
 
     def default_layers(self, num_hidden_layers: int) -> list[int | str]:
-        from vllm_hs.extract.layers import default_layers
+        from vllm_hs.layer_ids import default_layers
 
         return list(default_layers(num_hidden_layers))
 
@@ -144,7 +144,7 @@ class _TorchSaveFiles(SampleFiles):
             )
 
     def default_layers(self, num_hidden_layers: int) -> list[int | str]:
-        from vllm_hs.extract.layers import default_layers
+        from vllm_hs.layer_ids import default_layers
 
         *aux, _ = default_layers(num_hidden_layers)
         return [*aux, FINAL_NORM]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vllm_hs import __version__
-from vllm_hs.cli import EXIT_OK, add_series_dir_option
+from vllm_hs.command import EXIT_OK, add_series_dir_option
 from vllm_hs.errors import VllmHsError
 from vllm_hs.fs import atomic_copy
 from vllm_hs.series.git import GitError, apply_patch

@@ -39,7 +39,7 @@ from pathlib import Path
 
 from unidiff import PatchSet
 
-from vllm_hs.cli import EXIT_ERROR, EXIT_OK, add_series_dir_option
+from vllm_hs.command import EXIT_ERROR, EXIT_OK, add_series_dir_option
 from vllm_hs.errors import VllmHsError
 from vllm_hs.proc import run
 from vllm_hs.series.git import GitError, Repo

@@ -34,7 +34,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from vllm_hs.cli import EXIT_ERROR, EXIT_OK, add_series_dir_option
+from vllm_hs.command import EXIT_ERROR, EXIT_OK, add_series_dir_option
 from vllm_hs.errors import VllmHsError
 from vllm_hs.series.git import GitError, Repo
 from vllm_hs.series.model import SERIES_FILE, Series, load_series

@@ -20,7 +20,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_hs.cli import EXIT_OK, add_series_dir_option
+from vllm_hs.command import EXIT_OK, add_series_dir_option
 from vllm_hs.errors import VllmHsError
 from vllm_hs.fs import atomic_write_text
 from vllm_hs.series.git import Repo, add_trailers

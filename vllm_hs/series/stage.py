@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from vllm_hs.cli import EXIT_OK, add_series_dir_option
+from vllm_hs.command import EXIT_OK, add_series_dir_option
 from vllm_hs.errors import VllmHsError
 from vllm_hs.series.git import GitError, Repo
 from vllm_hs.series.model import (

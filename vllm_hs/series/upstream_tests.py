@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllm_hs.cli import EXIT_ERROR, EXIT_OK, add_series_dir_option
+from vllm_hs.command import EXIT_ERROR, EXIT_OK, add_series_dir_option
 from vllm_hs.errors import VllmHsError
 from vllm_hs.fs import atomic_write_text
 from vllm_hs.proc import run

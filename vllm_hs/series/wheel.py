@@ -22,7 +22,7 @@ from packaging.tags import sys_tags
 from packaging.utils import canonicalize_name, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
 
-from vllm_hs.cli import EXIT_OK, add_series_dir_option
+from vllm_hs.command import EXIT_OK, add_series_dir_option
 from vllm_hs.errors import VllmHsError
 from vllm_hs.fs import cache_root
 from vllm_hs.proc import run

@@ -14,7 +14,6 @@ from vllm_hs.testing.harness import (
     check_model_runner,
     engine,
     expected_model_runner,
-    patched_vllm_skip_reason,
     poll_until_empty,
 )
 
@@ -23,6 +22,5 @@ __all__ = [
     "check_model_runner",
     "engine",
     "expected_model_runner",
-    "patched_vllm_skip_reason",
     "poll_until_empty",
 ]

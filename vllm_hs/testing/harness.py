@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from vllm_hs.hf_reference import assert_states_close, hf_sequence_states
+from vllm_hs.models.tiny import seeded_prompt
 
 MODES = ("inproc", "mp")
 """Engine modes: the in-process engine core (no serialization) and the default
@@ -60,27 +61,6 @@ PREEMPTING: dict[str, Any] = dict(
 )
 """Engine options of a 640-token KV cache for up to 8 requests: preemptions
 under load, chunked prefill of 64 tokens, metrics on."""
-
-
-def patched_vllm_skip_reason() -> str:
-    """'' when the importable vLLM has the hidden-state channel, else why not.
-
-    With VLLM_HS_EXPECT_PATCHED=1 (set by tox) a missing or unpatched vLLM is an
-    error, never a reason to skip.
-    """
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    if os.environ.get("VLLM_HS_EXPECT_PATCHED") == "1":
-        import vllm
-
-        if not hasattr(vllm, "HiddenStatesParams"):
-            raise AssertionError(f"vllm at {vllm.__file__} is unpatched")
-        return ""
-    try:
-        import vllm
-    except ImportError:
-        return "vLLM is not installed"
-    return "" if hasattr(vllm, "HiddenStatesParams") else "unpatched vLLM"
 
 
 @contextlib.contextmanager
@@ -219,12 +199,6 @@ def tokens_prompt(token_ids: Sequence[int]) -> Any:
     from vllm.inputs import TokensPrompt
 
     return TokensPrompt(prompt_token_ids=list(token_ids))
-
-
-def seeded_prompt(seed: int, length: int, vocab: int = 1024, low: int = 8) -> list[int]:
-    """Deterministic token ids in [low, vocab) (below `low`: special tokens)."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(low, vocab, (length,), generator=g).tolist()
 
 
 def engine_metric(llm: Any, name: str) -> float:

@@ -28,8 +28,7 @@ from typing import Any
 
 import torch
 
-from vllm_hs.testing.harness import seeded_prompt
-from vllm_hs.tiny_model import build_cached
+from vllm_hs.models.tiny import build_cached, seeded_prompt
 
 __all__ = ["DEFAULT_AUX_LAYERS", "build_eagle3_draft", "training_prompts"]
 

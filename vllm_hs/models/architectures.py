@@ -3,7 +3,7 @@
 `build_architecture_model(name)` writes a HuggingFace model directory (config,
 safetensors; no tokenizer: engines run with ``skip_tokenizer_init``) from a
 transformers config class built offline, with weights redrawn from a generator
-keyed by (seed, parameter name) as in `vllm_hs.tiny_model`, so vLLM and HF load
+keyed by (seed, parameter name) as in `vllm_hs.models.tiny`, so vLLM and HF load
 the same weights and greedy outputs are varied. Directories are cached under
 ``<cache root>/models/arch-<name>-<hash>``.
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_hs.tiny_model import build_cached, param_seed
+from vllm_hs.models.tiny import build_cached, param_seed
 
 __all__ = ["ARCHITECTURES", "ArchSpec", "build_architecture_model"]
 

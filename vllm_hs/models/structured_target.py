@@ -1,7 +1,7 @@
 """A tiny target model that speaks a structured language, so that a draft
 model can learn to predict it on prompts it never saw.
 
-The random-weight tiny models (`vllm_hs.tiny_model`) continue any prompt with
+The random-weight tiny models (`vllm_hs.models.tiny`) continue any prompt with
 noise: a draft can only memorise them. This target is trained (seeded, on
 CPU, in about three minutes on 2 cores) on chat conversations of a synthetic
 language whose replies follow from the prompt:
@@ -13,7 +13,7 @@ language whose replies follow from the prompt:
   and again.
 
 Replies are `REPLY_WORDS` words, then ``<|im_end|>``. Every word is one token
-of the tiny tokenizer (the same byte-level BPE as `vllm_hs.tiny_model`, with
+of the tiny tokenizer (the same byte-level BPE as `vllm_hs.models.tiny`, with
 its special tokens and ChatML template), so a conversation is tokenised
 exactly as the chat template renders it. `conversations(n, split)` draws
 seeded conversations; the ``train`` and ``heldout`` splits come from disjoint
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_hs.tiny_model import build_cached
+from vllm_hs.models.tiny import build_cached
 
 __all__ = [
     "REPLY_WORDS",
@@ -132,7 +132,7 @@ def conversations(
 
 
 def _default_language() -> Language:
-    from vllm_hs.tiny_model import _train_tokenizer
+    from vllm_hs.models.tiny import _train_tokenizer
 
     return Language.of(_train_tokenizer(TOKENIZER_SEED, VOCAB_SIZE))
 
@@ -208,7 +208,7 @@ def _write_target(out: Path, args: dict[str, Any]) -> None:
     import torch
     import transformers
 
-    from vllm_hs.tiny_model import (
+    from vllm_hs.models.tiny import (
         SPECIAL_TOKENS,
         _normalize_tokenizer_config,
         _train_tokenizer,

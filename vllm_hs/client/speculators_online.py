@@ -27,9 +27,9 @@ backend does.
 The backend registers itself when this module is imported, which has to
 happen before speculators builds its command line; run training through
 
-    python -m vllm_hs.speculators_online --config config.yaml \\
+    python -m vllm_hs.client.speculators_online --config config.yaml \\
         --hidden-states-backend vllm-hs --vllm-endpoint http://HOST:8000/v1 ...
-    torchrun --nproc-per-node N -m vllm_hs.speculators_online ...   (same)
+    torchrun --nproc-per-node N -m vllm_hs.client.speculators_online ...   (same)
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from hs_connectors.transfer import (
     HiddenStatesTransfer,
 )
 
-from vllm_hs.client import RefFetcher, decode
+from vllm_hs.client.responses import RefFetcher, decode
 
 __all__ = ["BACKEND_NAME", "RefTransfer", "VllmHsBackend", "main"]
 

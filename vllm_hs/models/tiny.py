@@ -393,3 +393,11 @@ def tiny_model_info(path: Path | str) -> dict[str, Any]:
         "hidden_size": config["hidden_size"],
         "vocab_size": config["vocab_size"],
     }
+
+
+def seeded_prompt(seed: int, length: int, vocab: int = 1024, low: int = 8) -> list[int]:
+    """Deterministic token ids in [low, vocab) (below `low`: special tokens)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(low, vocab, (length,), generator=g).tolist()
