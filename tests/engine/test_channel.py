@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from vllm_hs.hf_reference import hf_greedy
-from vllm_hs.testing import poll_until_empty
 from vllm_hs.testing.harness import (
     BUDGET,
     MAIN_RESOLVED,
@@ -17,9 +16,11 @@ from vllm_hs.testing.harness import (
     Expect,
     check_output,
     greedy,
+    rejected_then_served,
     run_cases,
     seeded_prompt,
     tokens_prompt,
+    worker_request_ids,
 )
 
 DTYPE = torch.float32
@@ -219,14 +220,9 @@ def test_requests_without_states_match_hf(main_engine, llama_fp32):
 def test_bad_request_is_rejected_and_engine_serves_on(
     main_engine, llama_fp32, hidden_states, match
 ):
-    llm, mode = main_engine
-    prompt = seeded_prompt(60, 12)
-    with pytest.raises(ValueError, match=match):
-        llm.generate([tokens_prompt(prompt)], greedy(3, hidden_states=hidden_states))
-    (out,) = llm.generate(
-        [tokens_prompt(prompt)], greedy(3, hidden_states={}), use_tqdm=False
+    rejected_then_served(
+        main_engine, llama_fp32, seeded_prompt(60, 12), hidden_states, match, {}
     )
-    check_output(out, llama_fp32, Expect(MAIN_RESOLVED), DTYPE, f"[{mode}] after error")
 
 
 def test_payload_over_cap_is_rejected(main_engine, llama_fp32):
@@ -263,18 +259,6 @@ def _rss_bytes(mode: str) -> int:
     me = psutil.Process(os.getpid())
     procs = [me] + (me.children(recursive=True) if mode == "mp" else [])
     return sum(p.memory_info().rss for p in procs)
-
-
-def worker_request_ids(llm, mode: str) -> list[str]:
-    """Requests the worker's capturer still holds once the engine told it of
-    every finished request. The worker learns of them on the next step, which
-    schedules no tokens when nothing else runs: the multiprocess engine core
-    takes that step by itself (poll until it did); in-process, step once."""
-    if mode == "inproc":
-        llm.llm_engine.step()
-    return poll_until_empty(
-        lambda: [i for r in llm.collective_rpc("hidden_states_request_ids") for i in r]
-    )
 
 
 def test_aborts_leave_nothing_behind(main_engine, llama_fp32):
@@ -478,21 +462,13 @@ def test_positions_last_with_a_stop_string_and_n(main_engine, llama_fp32):
 def test_bad_positions_are_rejected_and_engine_serves_on(
     main_engine, llama_fp32, hidden_states, match
 ):
-    llm, mode = main_engine
-    prompt = seeded_prompt(79, 12)
-    with pytest.raises(ValueError, match=match):
-        llm.generate([tokens_prompt(prompt)], greedy(3, hidden_states=hidden_states))
-    (out,) = llm.generate(
-        [tokens_prompt(prompt)],
-        greedy(3, hidden_states={"positions": [[11, 13]]}),
-        use_tqdm=False,
-    )
-    check_output(
-        out,
+    rejected_then_served(
+        main_engine,
         llama_fp32,
-        Expect(MAIN_RESOLVED, positions=[[11, 13]]),
-        DTYPE,
-        f"[{mode}] after a bad positions request",
+        seeded_prompt(79, 12),
+        hidden_states,
+        match,
+        {"positions": [[11, 13]]},
     )
 
 

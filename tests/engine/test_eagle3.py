@@ -26,6 +26,7 @@ from vllm_hs.testing.harness import (
     greedy,
     run_cases,
     speculation_modes,
+    speculative_cases,
     tokens_prompt,
 )
 
@@ -65,22 +66,7 @@ def _cases() -> list[tuple[list[int], object, Expect | None]]:
     """Eight requests on the draft's training prompts: states and none,
     output-only, windows, the last row, a layer subset; max_tokens ending
     inside a step."""
-    windows = [[10, 20], [30, 50]]
-    cases = []
-    for i, prompt in enumerate(training_prompts(8)):
-        max_tokens = (40, 7, 33, 40, 2, 40, 19, 40)[i]
-        hs, expect = {
-            0: ({}, Expect(RESOLVED)),
-            1: ({}, Expect(RESOLVED)),
-            2: (None, None),
-            3: ({"prompt": False}, Expect(RESOLVED, prompt=False)),
-            4: ({}, Expect(RESOLVED)),
-            5: ({"positions": windows}, Expect(RESOLVED, positions=windows)),
-            6: ({"positions": "last"}, Expect(RESOLVED, positions="last")),
-            7: ({"layers": ["final_norm", 0]}, Expect(["final_norm", 0])),
-        }[i]
-        cases.append((prompt, greedy(max_tokens, hidden_states=hs), expect))
-    return cases
+    return speculative_cases(training_prompts(8), [[10, 20], [30, 50]])
 
 
 def _spec_counts(llm) -> list[float]:

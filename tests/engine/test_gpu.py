@@ -17,6 +17,7 @@ from vllm_hs.testing.harness import (
     run_cases,
     seeded_prompt,
     tokens_prompt,
+    worker_request_ids,
 )
 
 pytestmark = [
@@ -129,7 +130,6 @@ def test_channel_under_the_ray_executor(runner):
     PR #25386 closed unmerged)."""
     pytest.importorskip("ray")
     from vllm_hs.models.tiny import build_tiny_model
-    from vllm_hs.testing import poll_until_empty
 
     model_dir = str(build_tiny_model("llama", "float32"))
     layers = [0, 2, -1, "final_norm"]
@@ -171,11 +171,7 @@ def test_channel_under_the_ray_executor(runner):
         while llm_engine.has_unfinished_requests():
             llm_engine.step()
         assert not llm_engine.output_processor.request_states
-        held = poll_until_empty(
-            lambda: [
-                i for r in llm.collective_rpc("hidden_states_request_ids") for i in r
-            ]
-        )
+        held = worker_request_ids(llm, "mp")
         assert held == [], f"{what} workers kept aborted requests"
         run_cases(
             llm, cases[:1], model_dir, "float32", f"{what} after aborts", torch.bfloat16

@@ -22,6 +22,7 @@ from vllm_hs.testing.harness import (
     repeated_prompt,
     run_cases,
     speculation_modes,
+    speculative_cases,
 )
 
 LAYERS = [0, 2, -1, "final_norm"]
@@ -50,22 +51,8 @@ def test_rows_of_accepted_tokens_equal_hf(spec_engine, llama_fp32):
     accepted_metric = "vllm:spec_decode_num_accepted_tokens"
     drafts_before = engine_metric(llm, draft_metric)
     accepted_before = engine_metric(llm, accepted_metric)
-    windows = [[20, 30], [45, 70]]
-    cases = []
-    for i in range(8):
-        prompt = repeated_prompt(200 + i, 40 + 3 * i, 5 + i % 3)
-        max_tokens = (40, 7, 33, 40, 2, 40, 19, 40)[i]
-        hs, expect = {
-            0: ({}, Expect(RESOLVED)),
-            1: ({}, Expect(RESOLVED)),
-            2: (None, None),
-            3: ({"prompt": False}, Expect(RESOLVED, prompt=False)),
-            4: ({}, Expect(RESOLVED)),
-            5: ({"positions": windows}, Expect(RESOLVED, positions=windows)),
-            6: ({"positions": "last"}, Expect(RESOLVED, positions="last")),
-            7: ({"layers": ["final_norm", 0]}, Expect(["final_norm", 0])),
-        }[i]
-        cases.append((prompt, greedy(max_tokens, hidden_states=hs), expect))
+    prompts = [repeated_prompt(200 + i, 40 + 3 * i, 5 + i % 3) for i in range(8)]
+    cases = speculative_cases(prompts, [[20, 30], [45, 70]])
     outputs = run_cases(llm, cases, llama_fp32, DTYPE, f"[{mode}] spec")
     for i, (out, (prompt, sp, _)) in enumerate(zip(outputs, cases, strict=True)):
         assert list(out.outputs[0].token_ids) == hf_greedy(

@@ -8,7 +8,6 @@ wheels of the other tests. Test modules get the helpers through fixtures, never
 
 from __future__ import annotations
 
-import os
 import subprocess
 import zipfile
 from collections.abc import Callable, Iterator
@@ -19,6 +18,7 @@ import pytest
 from vllm_hs.series.model import available_versions
 from vllm_hs.series.sdist import fetch_sdist
 from vllm_hs.series.stage import StagedTree, stage
+from vllm_hs.testing.git import git_env
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SERIES_ROOT = REPO_ROOT / "patches"
@@ -127,17 +127,7 @@ class SeriesBuilder:
         return (self.repo / relative).read_text()
 
     def _git(self, *args: str) -> str:
-        env = {
-            **os.environ,
-            "GIT_CONFIG_GLOBAL": os.devnull,
-            "GIT_CONFIG_NOSYSTEM": "1",
-            "GIT_AUTHOR_NAME": "vllm-hs tests",
-            "GIT_AUTHOR_EMAIL": "tests@vllm-hs.invalid",
-            "GIT_COMMITTER_NAME": "vllm-hs tests",
-            "GIT_COMMITTER_EMAIL": "tests@vllm-hs.invalid",
-            "GIT_AUTHOR_DATE": "2026-01-01T00:00:00Z",
-            "GIT_COMMITTER_DATE": "2026-01-01T00:00:00Z",
-        }
+        env = git_env()
         result = subprocess.run(
             ["git", *args],
             cwd=self.repo,

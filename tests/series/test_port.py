@@ -5,7 +5,6 @@ applies clean, one is merged around an upstream change, one is already upstream
 
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 
@@ -25,16 +24,9 @@ from vllm_hs.series.port import (
 )
 from vllm_hs.series.refresh import FORMAT_PATCH_OPTIONS, refresh
 from vllm_hs.series.stage import stage
+from vllm_hs.testing.git import git_env
 
-GIT_ENV = {
-    **os.environ,
-    "GIT_CONFIG_GLOBAL": os.devnull,
-    "GIT_CONFIG_NOSYSTEM": "1",
-    "GIT_AUTHOR_NAME": "vllm-hs tests",
-    "GIT_AUTHOR_EMAIL": "tests@vllm-hs.invalid",
-    "GIT_COMMITTER_NAME": "vllm-hs tests",
-    "GIT_COMMITTER_EMAIL": "tests@vllm-hs.invalid",
-}
+GIT_ENV = git_env()
 
 CONFIG = "".join(f"setting_{i} = {i}\n" for i in range(30))
 V1 = {

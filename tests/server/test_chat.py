@@ -15,9 +15,8 @@ import pytest
 from vllm_hs.testing.server import (
     Collected,
     Want,
+    ask,
     check,
-    collect_response,
-    collect_stream,
 )
 
 MESSAGES = [
@@ -51,21 +50,15 @@ def chat(
     max_tokens: int = 7,
     **kwargs: Any,
 ) -> Collected:
-    extra: dict[str, Any] = {"return_token_ids": True, "ignore_eos": True}
-    if hidden_states is not None:
-        extra["hidden_states"] = hidden_states
-    kwargs.setdefault("temperature", 0.0)
-    response = oai.chat.completions.create(
-        model=model,
+    return ask(
+        oai,
+        model,
+        stream,
+        hidden_states,
         messages=messages,
         max_tokens=max_tokens,
-        stream=stream,
-        extra_body=extra,
         **kwargs,
     )
-    if stream:
-        return collect_stream(response, chat=True)
-    return collect_response(response, chat=True)
 
 
 def test_all_layers(oai, served_model, model_dir, stream):

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from vllm_hs.hf_reference import assert_states_close
-from vllm_hs.testing.harness import seeded_prompt
+from vllm_hs.testing.harness import HIDDEN, seeded_prompt
 from vllm_hs.testing.server import (
-    HIDDEN,
     Collected,
     Want,
+    ask,
     check,
     collect_response,
     collect_stream,
@@ -36,21 +36,15 @@ def complete(
     max_tokens: int = 8,
     **kwargs: Any,
 ) -> Collected:
-    extra: dict[str, Any] = {"return_token_ids": True, "ignore_eos": True}
-    if hidden_states is not None:
-        extra["hidden_states"] = hidden_states
-    kwargs.setdefault("temperature", 0.0)
-    response = oai.completions.create(
-        model=model,
+    return ask(
+        oai,
+        model,
+        stream,
+        hidden_states,
         prompt=prompt,
         max_tokens=max_tokens,
-        stream=stream,
-        extra_body=extra,
         **kwargs,
     )
-    if stream:
-        return collect_stream(response, chat=False)
-    return collect_response(response, chat=False)
 
 
 def test_all_layers(oai, served_model, model_dir, stream):

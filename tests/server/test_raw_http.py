@@ -9,10 +9,8 @@ import pytest
 import torch
 
 from vllm_hs.client import decode
-from vllm_hs.testing.harness import seeded_prompt
+from vllm_hs.testing.harness import HIDDEN, MAIN_RESOLVED, seeded_prompt
 from vllm_hs.testing.server import (
-    HIDDEN,
-    MAIN_RESOLVED,
     Collected,
     Want,
     check,

@@ -184,6 +184,18 @@ def poll_until_empty(
         time.sleep(0.1)
 
 
+def worker_request_ids(llm: Any, mode: str) -> list[str]:
+    """Requests the worker's capturer still holds once the engine told it of
+    every finished request. The worker learns of them on the next step, which
+    schedules no tokens when nothing else runs: the multiprocess engine core
+    takes that step by itself (poll until it did); in-process, step once."""
+    if mode == "inproc":
+        llm.llm_engine.step()
+    return poll_until_empty(
+        lambda: [i for r in llm.collective_rpc("hidden_states_request_ids") for i in r]
+    )
+
+
 # --- requests and their checks against HF ----------------------------------
 
 
@@ -381,6 +393,54 @@ def run_cases(
         assert list(out.prompt_token_ids) == list(prompt)
         check_output(out, model_dir, expect, dtype, f"{label} {i}", tolerance_dtype)
     return outputs
+
+
+def rejected_then_served(
+    engine: tuple[Any, str],
+    model_dir: str,
+    prompt: list[int],
+    bad: Any,
+    match: str,
+    good: dict[str, Any],
+) -> None:
+    """On an `engine` (llm, mode) of a float32 model: `bad` hidden_states fail
+    the request with `match`, then the same prompt with `good` ones is served,
+    every row checked against HF."""
+    import pytest
+
+    llm, mode = engine
+    with pytest.raises(ValueError, match=match):
+        llm.generate([tokens_prompt(prompt)], greedy(3, hidden_states=bad))
+    (out,) = llm.generate(
+        [tokens_prompt(prompt)], greedy(3, hidden_states=good), use_tqdm=False
+    )
+    expect = Expect(MAIN_RESOLVED, positions=good.get("positions"))
+    check_output(out, model_dir, expect, torch.float32, f"[{mode}] after {bad!r}")
+
+
+def speculative_cases(
+    prompts: Sequence[list[int]], windows: list[list[int]]
+) -> list[tuple[list[int], Any, Expect | None]]:
+    """Eight requests for a speculative engine, one per prompt: states and none,
+    output states only, position `windows`, the last row, a layer subset, and
+    max_tokens that end inside a draft step."""
+    assert len(prompts) == 8, len(prompts)
+    main = list(MAIN_RESOLVED)
+    table: list[tuple[dict[str, Any] | None, Expect | None]] = [
+        ({}, Expect(main)),
+        ({}, Expect(main)),
+        (None, None),
+        ({"prompt": False}, Expect(main, prompt=False)),
+        ({}, Expect(main)),
+        ({"positions": windows}, Expect(main, positions=windows)),
+        ({"positions": "last"}, Expect(main, positions="last")),
+        ({"layers": ["final_norm", 0]}, Expect(["final_norm", 0])),
+    ]
+    max_tokens = (40, 7, 33, 40, 2, 40, 19, 40)
+    return [
+        (prompt, greedy(tokens, hidden_states=hs), expect)
+        for prompt, tokens, (hs, expect) in zip(prompts, max_tokens, table, strict=True)
+    ]
 
 
 def check_stop_inside_drafts(
