@@ -52,9 +52,11 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
 def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(
         prog="vllm-hs",
-        description="Hidden-state output channel for vLLM: apply the patch series, "
-        "build patched wheels, check an installation.",
-        epilog="Run 'vllm-hs <command> --help' for the flags of one command.",
+        description="Hidden-state output channel for vLLM: build a patched vLLM, "
+        "check an installation, extract training data, maintain the patch series.",
+        epilog="Run 'vllm-hs <command> --help' for the flags of one command. "
+        "Documentation: README.md and docs/ of the vllm-hs repository "
+        "(docs/tool.md: every command).",
     )
     parser.add_argument(
         "-V", "--version", action="version", version=f"vllm-hs {__version__}"

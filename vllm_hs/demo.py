@@ -30,6 +30,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "demo",
         help="extract hidden states from the embedded tiny model and verify them",
         description=__doc__,
+        epilog="What layer ids 0, 2, -1 and final_norm and each row mean: "
+        "docs/conventions.md of the vllm-hs repository.",
     )
     parser.add_argument(
         "--max-tokens",

@@ -2,7 +2,7 @@
 
 Works on what the `openai` client returns (`Completion`, `ChatCompletion` and
 their stream chunks: the extra fields stay reachable as attributes) and on raw
-HTTP JSON (`dict`). The wire format (see README):
+HTTP JSON (`dict`). The wire format (docs/server.md):
 
     {"layers": [...], "shape": [rows, layers, hidden], "dtype": "bfloat16",
      "encoding": "base64" | "float", "data": ...,

@@ -11,8 +11,9 @@ the same weights and greedy outputs are varied. Directories are cached under
 that implements ``SupportsEagle3`` and that transformers can build offline,
 plus those served by the generic capture (``generic=True``: no
 ``SupportsEagle3``; ``GENERIC_CAPTURE_MODELS`` in the series), with the dtype
-vLLM's CPU backend runs them in. README.md's "Architectures" table says what
-each check found and which architectures cannot be checked here, and why.
+vLLM's CPU backend runs them in. The "Architectures" table of
+docs/architecture.md says what each check found and which architectures cannot
+be checked here, and why.
 """
 
 from __future__ import annotations

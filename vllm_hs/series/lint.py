@@ -95,7 +95,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "the series adds, and mypy with vLLM's configuration on the Python "
             "files it adds. Exits 1 when anything is found."
         ),
-        epilog="examples:\n  vllm-hs lint\n  vllm-hs lint --version 0.33.0",
+        epilog=(
+            "examples:\n  vllm-hs lint\n  vllm-hs lint --version 0.33.0"
+            "\n\nThe patch format (headers, Upstream-Status): patches/README.md "
+            "(in the repository, and in the installed package as "
+            "vllm_hs/patches/README.md)."
+        ),
     )
     parser.add_argument(
         "--version",

@@ -367,6 +367,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "  vllm-hs port --from 0.33.0 --to 0.34.0\n"
             "  vllm-hs port --continue --tree vllm-0.34.0\n"
             "  vllm-hs port --abort --tree vllm-0.34.0"
+            "\n\nThe stage / refresh loop and release bumps, step by step: "
+            "patches/README.md (in the repository, and in the installed "
+            "package as vllm_hs/patches/README.md)."
         ),
     )
     action = parser.add_mutually_exclusive_group()

@@ -62,7 +62,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "'vllm-hs stage') from its commits since the release tag: one patch per "
             "commit, headers kept, the series file rewritten in commit order."
         ),
-        epilog="example:\n  vllm-hs refresh --tree vllm-0.33.0",
+        epilog=(
+            "example:\n  vllm-hs refresh --tree vllm-0.33.0"
+            "\n\nThe stage / refresh loop and release bumps, step by step: "
+            "patches/README.md (in the repository, and in the installed "
+            "package as vllm_hs/patches/README.md)."
+        ),
     )
     parser.add_argument(
         "--tree",

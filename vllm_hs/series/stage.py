@@ -170,6 +170,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "  vllm-hs stage --version 0.34.0 --from 0.33.0    # = vllm-hs port\n"
             "then, after editing commits on the branch:\n"
             "  vllm-hs refresh --tree vllm-0.32.0"
+            "\n\nThe stage / refresh loop and release bumps, step by step: "
+            "patches/README.md (in the repository, and in the installed "
+            "package as vllm_hs/patches/README.md)."
         ),
     )
     parser.add_argument(

@@ -95,6 +95,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "  vllm-hs wheel --vllm vllm==0.32.0\n"
             "  vllm-hs wheel --wheel ~/Downloads/vllm-0.32.0-cp38-abi3-"
             "manylinux_2_31_x86_64.whl --install"
+            "\n\nInstalling into your own vLLM, and the supported releases: "
+            "README.md of the vllm-hs repository."
         ),
     )
     source = parser.add_mutually_exclusive_group(required=True)

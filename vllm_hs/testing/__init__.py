@@ -4,7 +4,9 @@
   runner checked), the worker probe `ChannelStateProbe`, and the checks of
   hidden-state rows against HF transformers shared by engine and server tests.
 - `server`: real `vllm serve` processes and the checks of their responses.
-- `architectures`: tiny seeded models of the architectures the channel supports.
+
+Seeded models (the tiny default, the architectures' conformance models, the
+structured target, the EAGLE-3 draft) live in `vllm_hs.models`.
 
 `worker_extension_cls="vllm_hs.testing.ChannelStateProbe"` names the probe.
 """
