@@ -80,6 +80,12 @@ def model_dir(settings: EngineSettings) -> tuple[str, dict[str, int]]:
     return seeded_model(settings.model), MODELS[settings.model]
 
 
+def require_seeded(model: str) -> None:
+    """Refuse a --model that is not a seeded model's name (MODELS)."""
+    if model not in MODELS:
+        raise SystemExit(f"--model: one of {sorted(MODELS)}, not {model!r}")
+
+
 def seeded_model(name: str, **overrides: int) -> str:
     """The directory of seeded model `name` (MODELS), built once (float32)."""
     from vllm_hs.models.tiny import build_tiny_model
@@ -152,13 +158,14 @@ def run_workload(
 
 
 def workload_spec(
-    settings: EngineSettings, path: str, vocab: int, **overrides: Any
+    settings: EngineSettings, path: str, sizes: dict[str, int], **overrides: Any
 ) -> dict[str, Any]:
-    """A `benchmarks.workload` spec: the settings' batch on an engine without
+    """A `benchmarks.workload` spec: the settings' batch on model `path` (of
+    `sizes`, as model_dir gives them) on an engine without
     hidden_states_config, one round of plain requests, unless overridden."""
     spec = {
         "model": path,
-        "vocab": vocab,
+        "vocab": sizes.get("vocab_size", 1024),
         "mode": settings.mode,
         "prompts": settings.prompts,
         "prompt_len": settings.prompt_len,

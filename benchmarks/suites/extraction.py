@@ -39,7 +39,12 @@ from benchmarks.peak_rss import PeakRss
 from benchmarks.protocol import option
 from benchmarks.result import Result, memory_summary, spread, summarize
 from benchmarks.rounds import run_rounds
-from benchmarks.suites.engine import MODELS, cpu_engine_kwargs, seeded_model
+from benchmarks.suites.engine import (
+    MODELS,
+    cpu_engine_kwargs,
+    require_seeded,
+    seeded_model,
+)
 
 AIM = 0.97
 
@@ -118,8 +123,7 @@ class ExtractionSettings:
     workdir: str | None = option(None, "where extraction writes (default: a temp dir)")
 
     def __post_init__(self) -> None:
-        if self.model not in MODELS:
-            raise SystemExit(f"--model: one of {sorted(MODELS)}, not {self.model!r}")
+        require_seeded(self.model)
 
 
 def measure(args: ExtractionSettings) -> list[Result]:

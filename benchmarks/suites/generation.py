@@ -61,12 +61,11 @@ def _generation(
     description: str,
 ) -> list[Result]:
     path, sizes = model_dir(settings)
-    vocab = sizes.get("vocab_size", 1024)
     layers = four_layers(sizes)
     spec = workload_spec(
         settings,
         path,
-        vocab,
+        sizes,
         rounds=settings.rounds,
         variants={"plain": None, "states": states},
         engine=engine_kwargs(settings, layers),
@@ -108,12 +107,11 @@ def probe(settings: EngineSettings) -> list[Result]:
     batches alternating on one engine. Rounds record the bytes each side
     delivered and its wall time."""
     path, sizes = model_dir(settings)
-    vocab = sizes.get("vocab_size", 1024)
     layers = four_layers(sizes)
     spec = workload_spec(
         settings,
         path,
-        vocab,
+        sizes,
         rounds=settings.rounds,
         max_tokens=1,
         variants={

@@ -22,11 +22,13 @@ from benchmarks.suites.engine import (
 )
 
 
-def _prefill_spec(settings: EngineSettings, path: str, vocab: int, **kw: Any) -> dict:
+def _prefill_spec(
+    settings: EngineSettings, path: str, sizes: dict[str, int], **kw: Any
+) -> dict[str, Any]:
     return workload_spec(
         settings,
         path,
-        vocab,
+        sizes,
         max_tokens=1,
         write_dir=tempfile.mkdtemp(prefix="vllm-hs-bench-"),
         **kw,
@@ -96,13 +98,12 @@ def _native(settings: EngineSettings, name: str) -> list[Result]:
     """
     env, binding = NATIVE_BINDINGS[name]
     path, sizes = model_dir(settings)
-    vocab = sizes.get("vocab_size", 1024)
     layers = four_layers(sizes)
     per_process = 3
     channel = _prefill_spec(
         settings,
         path,
-        vocab,
+        sizes,
         rounds=per_process,
         variants={"plain": None, "extract": {"prompt": True, "output": False}},
         engine=engine_kwargs(settings, layers),
@@ -111,7 +112,7 @@ def _native(settings: EngineSettings, name: str) -> list[Result]:
     native_spec = _prefill_spec(
         settings,
         path,
-        vocab,
+        sizes,
         rounds=per_process,
         variants={"extract": None},
         native=True,

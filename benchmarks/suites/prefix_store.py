@@ -31,7 +31,7 @@ from typing import Any
 from benchmarks.protocol import option
 from benchmarks.result import Result, summarize
 from benchmarks.rounds import run_rounds
-from benchmarks.suites.engine import MODELS, run_workload, seeded_model
+from benchmarks.suites.engine import MODELS, require_seeded, run_workload, seeded_model
 
 
 @dataclass
@@ -45,8 +45,7 @@ class PrefixStoreSettings:
     rounds: int = option(3, "")
 
     def __post_init__(self) -> None:
-        if self.model not in MODELS:
-            raise SystemExit(f"--model: one of {sorted(MODELS)}, not {self.model!r}")
+        require_seeded(self.model)
 
 
 def _worker(spec: dict[str, Any]) -> dict[str, Any]:

@@ -43,7 +43,7 @@ from typing import Any
 from benchmarks.protocol import option
 from benchmarks.result import Result, Summary, spread
 from benchmarks.rounds import run_rounds
-from benchmarks.suites.engine import MODELS, seeded_model
+from benchmarks.suites.engine import require_seeded, seeded_model
 
 
 @dataclass
@@ -52,8 +52,7 @@ class RayExtractSettings:
     rounds: int = option(3, "")
 
     def __post_init__(self) -> None:
-        if self.model not in MODELS:
-            raise SystemExit(f"--model: one of {sorted(MODELS)}, not {self.model!r}")
+        require_seeded(self.model)
 
 
 SIDES: dict[str, list[str]] = {

@@ -100,7 +100,7 @@ def _speculation(
     spec = workload_spec(
         settings,
         path,
-        sizes.get("vocab_size", 1024),
+        sizes,
         rounds=settings.rounds,
         variants={"plain": None, "states": {"prompt": True, "output": True}},
         engine=engine,

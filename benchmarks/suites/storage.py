@@ -24,7 +24,7 @@ from typing import Any
 
 from benchmarks.protocol import option
 from benchmarks.result import Result, Summary
-from benchmarks.suites.engine import MODELS, seeded_model
+from benchmarks.suites.engine import MODELS, require_seeded, seeded_model
 
 
 @dataclass
@@ -34,8 +34,7 @@ class StorageSettings:
     conversations: int = option(100, "")
 
     def __post_init__(self) -> None:
-        if self.model not in MODELS:
-            raise SystemExit(f"--model: one of {sorted(MODELS)}, not {self.model!r}")
+        require_seeded(self.model)
 
 
 STORAGES = ("auto", "bfloat16", "float16", "fp8")

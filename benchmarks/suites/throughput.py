@@ -70,11 +70,10 @@ def _overhead(settings: EngineSettings, name: str, with_config: bool) -> list[Re
         print(f"{name}: skipped (no --unpatched-python given)")
         return []
     path, sizes = model_dir(settings)
-    vocab = sizes.get("vocab_size", 1024)
     layers = four_layers(sizes) if with_config else None
-    unpatched = workload_spec(settings, path, vocab, rounds=2)
+    unpatched = workload_spec(settings, path, sizes, rounds=2)
     patched = workload_spec(
-        settings, path, vocab, rounds=2, engine=engine_kwargs(settings, layers)
+        settings, path, sizes, rounds=2, engine=engine_kwargs(settings, layers)
     )
     what = (
         f"hidden_states_config with {len(layers)} layers"
@@ -112,11 +111,10 @@ def runner(settings: EngineSettings) -> list[Result]:
     Triton (the series' torch kernels on CPU) against Model Runner V1, the
     same patched wheel, separate processes run alternately."""
     path, sizes = model_dir(settings)
-    vocab = sizes.get("vocab_size", 1024)
 
     def spec(flag: str) -> dict[str, Any]:
         return {
-            **workload_spec(settings, path, vocab, rounds=2),
+            **workload_spec(settings, path, sizes, rounds=2),
             "env": {"VLLM_USE_V2_MODEL_RUNNER": flag},
         }
 

@@ -53,13 +53,12 @@ def transport(settings: EngineSettings) -> list[Result]:
         settings, rounds=max(settings.rounds, TRANSPORT_MIN_ROUNDS)
     )
     path, sizes = model_dir(settings)
-    vocab = sizes.get("vocab_size", 1024)
     num_layers = sizes.get("num_hidden_layers", 4)
     layers = list(range(num_layers + 1))
     spec = workload_spec(
         settings,
         path,
-        vocab,
+        sizes,
         rounds=settings.rounds,
         max_tokens=1,
         variants={"plain": None, "states": {"prompt": True, "output": False}},
@@ -163,7 +162,6 @@ def memory(settings: EngineSettings) -> list[Result]:
     if settings.model in MODELS:
         # The seeded model with room for the long prompt (same weights).
         path = seeded_model(settings.model, max_position_embeddings=prompt_len + 64)
-    vocab = sizes.get("vocab_size", 1024)
     num_layers = sizes.get("num_hidden_layers", 4)
     layers = list(range(num_layers + 1))
     hidden = sizes.get("hidden_size", 128)  # 128: the tiny model's default
@@ -175,7 +173,7 @@ def memory(settings: EngineSettings) -> list[Result]:
     spec = workload_spec(
         settings,
         path,
-        vocab,
+        sizes,
         prompts=1,
         prompt_len=prompt_len,
         max_tokens=1,
