@@ -1,35 +1,11 @@
-"""Every benchmark suite, by name (`python -m benchmarks list` prints them).
+"""Every benchmark suite, by name: its sides, settings and measure function
+(`python -m benchmarks list` prints them).
 
-Engine suites (`EngineSettings`: the batch, model, rounds and engine options)
-run each measurement in a `benchmarks.workload` process:
-
-- overhead, overhead_config: the patched engine against the unpatched wheel of
-  the same release, in separate processes run alternately: throughput and
-  peak memory (needs --unpatched-python).
-- capture: generation with states (4 layers, prompt and output) against
-  without, on one patched engine, batches alternating.
-- decode: the same with output states only, in a decode-heavy batch (64
-  prompts of 16 tokens, 256 tokens each): the cost per request and step.
-- probe: prefill with each prompt's last position's states against without
-  and against every prompt row.
-- speculative, eagle3: generation under ngram or EAGLE-3 speculative decoding
-  with states against without: throughput, and acceptance unchanged.
-- transport (with heavy_payload), memory: prefill with every layer's states
-  against the same batch without: the wall time the states add per byte
-  against this machine's memcpy, the throughput ratio, and the engine core's
-  peak memory growth under one long request against its bound.
-- native, native_omp_all, native_default: prefill-only extraction to disk, the
-  channel against vLLM's own extract_hidden_states connector, under three CPU
-  thread placements.
-- runner: plain generation on Model Runner V2 without Triton against Model
-  Runner V1 (aim: V2 within 1.3x of V1).
-
-Suites with their own settings: extraction (`vllm-hs extract` against plain
-prefill and HF transformers), storage (bytes and error per --storage-dtype),
-prefix_store (prefix-cache hits served from the AuxOutput store), ray_extract
-(`vllm-hs extract --ray`), payload (large responses through `vllm serve`),
-response_encoding (the server's encoders, no server) and acceptance (EAGLE-3
-drafts trained on each way's states).
+Engine suites share `EngineSettings` (the batch, model, rounds and engine
+options) and run each measurement in a `benchmarks.workload` process; the
+others (extraction, storage, prefix_store, ray_extract, payload,
+response_encoding, acceptance) have settings of their own. What each figure
+compares is in its module's text and in its result file's description.
 """
 
 from __future__ import annotations
