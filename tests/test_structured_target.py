@@ -1,7 +1,7 @@
 """The structured target (vllm_hs.models.structured_target): its language,
 its token encoding (the chat template's, exactly), its splits, and a short
 build that transformers loads. How well the full build learns the language is
-recorded in its structured_target.json and measured by benchmarks.acceptance."""
+recorded in its structured_target.json and measured by benchmarks.suites.acceptance."""
 
 from __future__ import annotations
 

@@ -5,13 +5,12 @@ transformers' states of the same sequences. A wrong row (shifted layer or
 position, zeros, another request's) trains a draft for states vLLM never
 shows it, and its acceptance falls.
 
-The loop of `benchmarks.acceptance` at small settings: a structured target
+The loop of `benchmarks.suites.acceptance` at small settings: a structured target
 trained for 500 steps (cached), 256 training conversations, 3 epochs, 16
 held-out prompts. Every stage runs in its own process."""
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -23,17 +22,18 @@ if str(REPO) not in sys.path:
 
 
 def test_vllm_hs_draft_is_accepted_like_the_hf_draft(tmp_path: Path) -> None:
-    from benchmarks.acceptance import Settings, run
+    from benchmarks.suites.acceptance import AcceptanceSettings, run
     from vllm_hs.models.structured_target import build_structured_target
 
-    settings = Settings(
+    settings = AcceptanceSettings(
         model=str(build_structured_target(steps=500)),
         train_conversations=256,
         eval_prompts=16,
         epochs=3,
+        ways="vllm_hs,hf",
+        work=str(tmp_path),
     )
-    args = argparse.Namespace(ways="vllm_hs,hf", work=tmp_path)
-    result = run(args, settings)
+    result = run(settings)
     hf = result["drafts"]["hf"]
     ours = result["drafts"]["vllm_hs"]
     # The target is structured enough and the draft learned it, or the

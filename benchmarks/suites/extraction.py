@@ -1,7 +1,7 @@
 """Extraction throughput of `vllm-hs extract` against plain prefill on the same
 engine, and against HF transformers on the same data and machine.
 
-    python -m benchmarks.extraction [--model tiny|large] [--rounds 6] [--out FILE]
+    python -m benchmarks run extraction [--model tiny|large] [--rounds 6]
 
 Sides, on the conversations shipped with vllm-hs rendered by the model's chat
 template (prompt tokens only; every token is computed: the engine runs without
@@ -19,38 +19,32 @@ layers, `output_hidden_states=True` plus a hook for the pre-norm last layer)
 runs the same token ids at batch 1 and batched with right padding; the result
 compares its tokens/s with extract's. Every side of every round records the
 peak resident memory of the frontend (this process), the engine core and its
-worker separately (benchmarks.workload.PeakRss). Writes
+worker separately (benchmarks.peak_rss.PeakRss). Writes
 benchmarks/results/<vllm release>/extraction[-large].json.
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
-import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.common import (  # noqa: E402
-    RESULTS_ROOT,
-    installed_versions,
-    machine_facts,
-    memory_summary,
-    now,
-    spread,
-    vllm_release,
-    write_script_result,
+from benchmarks.peak_rss import PeakRss
+from benchmarks.protocol import option
+from benchmarks.result import Result, memory_summary, spread, summarize
+from benchmarks.rounds import run_rounds
+from benchmarks.suites.engine import (
+    MODELS,
+    cpu_engine_kwargs,
+    require_seeded,
+    seeded_model,
 )
-from benchmarks.suites import MODELS  # noqa: E402  (build_tiny_model sizes)
-from benchmarks.workload import PeakRss  # noqa: E402
 
 AIM = 0.97
 
@@ -107,46 +101,32 @@ def _hf_side(
     return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument(
-        "--conversations",
-        type=int,
-        default=300,
-        help="how many shipped conversations (default: all 300)",
+@dataclass
+class ExtractionSettings:
+    model: str = option("tiny", "")
+    rounds: int = option(6, "")
+    conversations: int = option(
+        300, "how many shipped conversations (extraction: all 300; storage: 100)"
     )
-    parser.add_argument(
-        "--repeat",
-        type=int,
-        default=2,
-        help="pass the conversations this many times per side (longer, steadier "
-        "measurements; default: %(default)s)",
+    repeat: int = option(
+        2,
+        "pass the conversations this many times per side (longer, steadier "
+        "measurements)",
     )
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--hf-batch", type=int, default=8)
-    parser.add_argument(
-        "--hf-conversations",
-        type=int,
-        default=100,
-        help="HF runs on the first N prompts only (a rate; HF at batch 1 is slow)",
+    dtype: str = option("float32", "")
+    hf_batch: int = option(8, "HF transformers' batch size besides batch 1")
+    hf_conversations: int = option(
+        100, "HF runs on the first N prompts only (a rate; HF at batch 1 is slow)"
     )
-    parser.add_argument("--hf-rounds", type=int, default=2)
-    parser.add_argument(
-        "--compile", action="store_true", help="compiled engine (default: eager)"
-    )
-    parser.add_argument(
-        "--workdir",
-        type=Path,
-        default=None,
-        help="where extraction writes (default: a temp dir)",
-    )
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args(argv)
-    t0 = time.perf_counter()
-    load_before = os.getloadavg()
+    hf_rounds: int = option(2, "HF runs per batch size")
+    eager: bool = option(True, "", flag="--compile")
+    workdir: str | None = option(None, "where extraction writes (default: a temp dir)")
 
+    def __post_init__(self) -> None:
+        require_seeded(self.model)
+
+
+def measure(args: ExtractionSettings) -> list[Result]:
     import torch
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
@@ -159,10 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     from vllm_hs.extract.runner import extract
     from vllm_hs.layer_ids import default_layers
-    from vllm_hs.models.tiny import build_tiny_model
 
     sizes = MODELS[args.model]
-    model_dir = str(build_tiny_model("llama", "float32", **sizes))
+    model_dir = seeded_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     conversations, sha = load_conversations(shipped_conversations_path())
     conversations = conversations[: args.conversations] * args.repeat
@@ -183,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         "mean_tokens": round(tokens / len(prompts), 1),
         "rounds": args.rounds,
         "engine_mode": "multiprocess (vLLM default)",
-        "enforce_eager": not args.compile,
+        "enforce_eager": args.eager,
         "enable_prefix_caching": False,
         "hf_batch": args.hf_batch,
         "hf_conversations": min(args.hf_conversations, len(prompts)),
@@ -192,15 +171,14 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(f"model {args.model}, {len(prompts)} conversations, {tokens} tokens/side")
 
-    on_gpu = torch.cuda.is_available()
     llm = LLM(
         model_dir,
         hidden_states_config={"layers": layers},
         dtype=args.dtype,
-        enforce_eager=not args.compile,
+        enforce_eager=args.eager,
         enable_prefix_caching=False,
         seed=0,
-        **({} if on_gpu else {"kv_cache_memory_bytes": 1 << 30}),
+        **cpu_engine_kwargs(),
     )
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="vllm-hs-bench-"))
     token_prompts = [TokensPrompt(prompt_token_ids=p) for p in prompts]
@@ -253,17 +231,12 @@ def main(argv: list[str] | None = None) -> int:
         for side in sides.values():  # warm-up
             side()
         rounds = []
-        for r in range(args.rounds):
-            order = list(sides)[r % 3 :] + list(sides)[: r % 3]
-            measured = {}
-            for name in order:
-                with PeakRss() as rss:
-                    measured[name] = sides[name]()
-                measured[name].update(rss.fields())
+        timed = {name: _with_peak_rss(side) for name, side in sides.items()}
+        for r, measured in enumerate(run_rounds(args.rounds, timed)):
             base = measured["plain"]["tokens_per_s"]
             record = {
                 "round": r,
-                "order": order,
+                "order": list(measured),
                 **measured,
                 "ratio": measured["extract"]["tokens_per_s"] / base,
                 "states_ratio": measured["states"]["tokens_per_s"] / base,
@@ -310,46 +283,38 @@ def main(argv: list[str] | None = None) -> int:
         "bytes_per_token": rounds[0]["extract"]["bytes"] / tokens,
     }
     memory = memory_summary({name: [r[name] for r in rounds] for name in sides})
-    versions = installed_versions()
-    result = {
-        "suite": "extraction" if args.model == "tiny" else f"extraction-{args.model}",
-        "description": (
-            "vllm-hs extract (engine + transport + validation + writes) tokens/s "
-            "over plain prefill (max_tokens=1, no states) on the same engine, "
-            "alternating; also HF transformers on the same data"
-        ),
-        "settings": settings,
-        "rounds": rounds,
-        "summary": {
-            "metric": "extract tokens/s / plain prefill tokens/s",
-            "higher_is_better": True,
-            "aim": AIM,
-            **spread(ratios),
-        },
-        "comparisons": comparisons,
-        "memory": memory,
-        "machine": machine_facts(),
-        "versions": versions,
-        "started": now(),
-        "seconds": time.perf_counter() - t0,
-        # Other work on the machine shows here (1/5/15-minute load averages).
-        "load_average": {"before": load_before, "after": os.getloadavg()},
-    }
-    release_dir = RESULTS_ROOT / vllm_release(versions)
-    out = write_script_result(
-        result, args.out or release_dir / f"{result['suite']}.json"
-    )
-    s = result["summary"]
+    suite = "extraction" if args.model == "tiny" else f"extraction-{args.model}"
+    summary = summarize(ratios, "extract tokens/s / plain prefill tokens/s", True, AIM)
     print(
-        f"extract/plain {s['median']:.3f} [{s['min']:.3f}, {s['max']:.3f}] "
+        f"extract/plain {summary.median:.3f} [{summary.min:.3f}, {summary.max:.3f}] "
         f"(aim >= {AIM}); states/plain "
         f"{comparisons['states_over_plain']['median']:.3f}; extract/HF batch 1 "
         f"{comparisons['extract_over_hf_batch1']:.2f}x, extract/HF batch "
         f"{args.hf_batch} {comparisons[f'extract_over_hf_batch{args.hf_batch}']:.2f}x"
-        f"\nwrote {out} ({result['seconds']:.0f} s)"
     )
-    return 0
+    result = Result(
+        suite=suite,
+        description=(
+            "vllm-hs extract (engine + transport + validation + writes) tokens/s "
+            "over plain prefill (max_tokens=1, no states) on the same engine, "
+            "alternating; also HF transformers on the same data"
+        ),
+        settings=settings,
+        rounds=rounds,
+        summary=summary,
+        memory=memory,
+        extra={"comparisons": comparisons},
+    )
+    return [result]
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def _with_peak_rss(side: Callable[[], dict[str, Any]]) -> Callable[[], dict[str, Any]]:
+    """`side`, its record with the peak resident memory of each process."""
+
+    def measured() -> dict[str, Any]:
+        with PeakRss() as rss:
+            record = side()
+        record.update(rss.fields())
+        return record
+
+    return measured

@@ -1,7 +1,7 @@
 """`vllm-hs extract --ray` against the same extraction without Ray: throughput
 with 1 and 2 replicas, and what Ray adds per sample and per run.
 
-    python -m benchmarks.ray_extract [--model tiny|large] [--rounds 3]
+    python -m benchmarks run ray_extract [--model tiny|large] [--rounds 3]
 
 Each round runs the CLI as users do (a subprocess, vLLM's default multiprocess
 engine, the shipped conversations, a fresh output directory) three ways, in
@@ -29,27 +29,31 @@ Writes benchmarks/results/v<vllm version>/ray_extract.json.
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.protocol import option
+from benchmarks.result import Result, Summary, spread
+from benchmarks.rounds import run_rounds
+from benchmarks.suites.engine import require_seeded, seeded_model
 
-from benchmarks.common import (  # noqa: E402
-    Summary,
-    machine_facts,
-    now,
-    spread,
-    write_script_result,
-)
-from benchmarks.suites import MODELS  # noqa: E402
+
+@dataclass
+class RayExtractSettings:
+    model: str = option("tiny", "")
+    rounds: int = option(3, "")
+
+    def __post_init__(self) -> None:
+        require_seeded(self.model)
+
 
 SIDES: dict[str, list[str]] = {
     "plain": [],
@@ -104,26 +108,16 @@ def _run(side: str, model_args: list[str], work: Path) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="tiny", choices=sorted(MODELS))
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args(argv)
+def measure(args: RayExtractSettings) -> list[Result]:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     import vllm
 
-    from vllm_hs.models.tiny import build_tiny_model
-
-    t0 = time.perf_counter()
-    load_before = os.getloadavg()
     model_args: list[str] = []
     if args.model != "tiny":
-        model = build_tiny_model("llama", "float32", **MODELS[args.model])
         model_args = [
             "--model",
-            str(model),
+            seeded_model(args.model),
             "--dtype",
             "float32",
             "--enforce-eager",
@@ -132,13 +126,13 @@ def main(argv: list[str] | None = None) -> int:
         ]
     work = Path(tempfile.mkdtemp(prefix="vllm-hs-ray-bench-"))
     names = list(SIDES)
+    sides = {side: _side(side, model_args, work) for side in names}
     rounds: list[dict[str, Any]] = []
-    for r in range(args.rounds):
-        order = names[r % len(names) :] + names[: r % len(names)]
+    for r, measured in enumerate(run_rounds(args.rounds, sides)):
         row: dict[str, Any] = {"round": r}
-        for side in order:
-            row[side] = _run(side, model_args, work)
-            print(f"round {r} {side}: {row[side]}", flush=True)
+        for side, record in measured.items():
+            row[side] = record
+            print(f"round {r} {side}: {record}", flush=True)
         plain, one, two = row["plain"], row["replicas1"], row["replicas2"]
         samples = plain["samples"]
         row["replicas2_over_replicas1"] = two["tokens_per_s"] / one["tokens_per_s"]
@@ -164,33 +158,27 @@ def main(argv: list[str] | None = None) -> int:
             [r[side]["tokens_per_s"] for r in rounds]
         )
     print(figures, flush=True)
-    result = {
-        "suite": "ray_extract" if args.model == "tiny" else f"ray_extract-{args.model}",
-        "description": __doc__.split("\n\n")[0],
-        "settings": {
+    result = Result(
+        suite="ray_extract" if args.model == "tiny" else f"ray_extract-{args.model}",
+        description=(__doc__ or "").split("\n\n")[0],
+        settings={
             "model": args.model,
             "rounds": args.rounds,
             "sides": SIDES,
             "vllm": vllm.__version__,
         },
-        "machine": machine_facts(),
-        "load_average": {"before": load_before, "after": os.getloadavg()},
-        "figures": figures,
-        "rounds": rounds,
-        "summary": Summary(
+        rounds=rounds,
+        summary=Summary(
             metric="extraction tokens/s with --ray --replicas 2 / --replicas 1 "
             "(other figures in figures)",
             higher_is_better=True,
             aim=None,
             **ratio,
-        ).__dict__,
-        "started": now(),
-        "seconds": time.perf_counter() - t0,
-    }
-    out = write_script_result(result, args.out)
-    print(f"wrote {out}")
-    return 0
+        ),
+        extra={"figures": figures},
+    )
+    return [result]
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+def _side(side: str, model_args: list[str], work: Path) -> Callable[[], dict[str, Any]]:
+    return lambda: _run(side, model_args, work)

@@ -8,23 +8,34 @@ Errors are per element: relative to the element (|stored - exact| / |exact|,
 over elements with |exact| >= 1e-3 of their token's largest magnitude), and
 relative to the token's largest magnitude (what a per-token scale bounds).
 
-    python -m benchmarks.storage [--model large] [--conversations 100]
+    python -m benchmarks run storage [--model large] [--conversations 100]
 
 Writes benchmarks/results/v<vllm version>/storage.json.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import tempfile
-import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import Summary, machine_facts, now, write_script_result
-from benchmarks.suites import MODELS
+from benchmarks.protocol import option
+from benchmarks.result import Result, Summary
+from benchmarks.suites.engine import MODELS, require_seeded, seeded_model
+
+
+@dataclass
+class StorageSettings:
+    model: str = option("large", "")
+    dtype: str = option("float32", "")
+    conversations: int = option(100, "")
+
+    def __post_init__(self) -> None:
+        require_seeded(self.model)
+
 
 STORAGES = ("auto", "bfloat16", "float16", "fp8")
 
@@ -64,13 +75,7 @@ def _errors(stored: list[Any], exact: list[Any]) -> dict[str, float]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="large", choices=sorted(MODELS))
-    parser.add_argument("--dtype", default="float32", help="the engine's dtype")
-    parser.add_argument("--conversations", type=int, default=100)
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args(argv)
+def measure(args: StorageSettings) -> list[Result]:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -80,12 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     from vllm_hs.extract.inputs import load_conversations, shipped_conversations_path
     from vllm_hs.extract.runner import extract
     from vllm_hs.layer_ids import default_layers
-    from vllm_hs.models.tiny import build_tiny_model
 
-    t0 = time.perf_counter()
-    load_before = os.getloadavg()
     sizes = MODELS[args.model]
-    model = str(build_tiny_model("llama", "float32", **sizes))
+    model = seeded_model(args.model)
     layers = default_layers(sizes.get("num_hidden_layers", 4))
     conversations, sha = load_conversations(shipped_conversations_path())
     conversations = conversations[: args.conversations]
@@ -135,20 +137,18 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     fp8 = sides["fp8"]["bytes_over_auto"]
-    result_json = {
-        "suite": "storage",
-        "description": __doc__.split("\n\n")[0],
-        "settings": {
+    result = Result(
+        suite="storage",
+        description=(__doc__ or "").split("\n\n")[0],
+        settings={
             "model": args.model,
             "dtype": args.dtype,
             "conversations": args.conversations,
             "layers": layers,
             "vllm": vllm.__version__,
         },
-        "machine": machine_facts(),
-        "load_average": {"before": load_before, "after": os.getloadavg()},
-        "rounds": [{"storage": s, **sides[s]} for s in STORAGES],
-        "summary": Summary(
+        rounds=[{"storage": s, **sides[s]} for s in STORAGES],
+        summary=Summary(
             metric=f"hs file bytes with --storage-dtype fp8 / {args.dtype} "
             "(errors per storage dtype in rounds)",
             higher_is_better=False,
@@ -156,14 +156,6 @@ def main(argv: list[str] | None = None) -> int:
             median=fp8,
             min=fp8,
             max=fp8,
-        ).__dict__,
-        "started": now(),
-        "seconds": time.perf_counter() - t0,
-    }
-    out = write_script_result(result_json, args.out)
-    print(f"wrote {out}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+        ),
+    )
+    return [result]

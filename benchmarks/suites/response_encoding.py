@@ -18,30 +18,26 @@ timeit does) and keeps the mean per call. Reported per case: raw tensor bytes
 per second (median [min, max] over the rounds), JSON size / raw size, and the
 throughput ratio base64 / float per round. Results (machine facts, versions,
 settings, every round) go to
-``benchmarks/results/v0.32.0/response_encoding.json``; a Markdown table is
+``benchmarks/results/<release>/response_encoding.json``; a Markdown table is
 printed.
 
-    PYTHONPATH=. python benchmarks/response_encoding.py [--quick]
+    python -m benchmarks run response_encoding [--quick]
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import platform
-import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from benchmarks.protocol import option
+from benchmarks.result import Result, Summary, spread
+from benchmarks.rounds import rotation
 
-DEFAULT_OUT = REPO / "benchmarks" / "results" / "v0.32.0" / "response_encoding.json"
 VARIANTS = ("base64", "float", "decode")
 HEADLINE = {"rows": 256, "hidden": 4096, "dtype": "float32"}
 
@@ -50,37 +46,33 @@ def parse_ints(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part.strip()]
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", type=parse_ints, default=[16, 256, 2048])
-    parser.add_argument("--hidden", type=parse_ints, default=[128, 4096])
-    parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--layers", type=int, default=4, help="layers per payload")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument(
-        "--min-time", type=float, default=0.1, help="seconds per timing (repeats)"
+@dataclass
+class EncodingSettings:
+    rows: list[int] = option(
+        [16, 256, 2048], "rows per payload, comma-separated", parse=parse_ints
     )
-    parser.add_argument(
-        "--float-max-seconds",
-        type=float,
-        default=10.0,
-        help="skip a float case whose calls would take longer than this in all",
+    hidden: list[int] = option(
+        [128, 4096], "hidden sizes, comma-separated", parse=parse_ints
     )
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="rows 16,256, 3 rounds, 0.05 s timings, float cases up to 3 s",
+    dtypes: str = option("float32,bfloat16", "dtypes, comma-separated")
+    layers: int = option(4, "layers per payload")
+    rounds: int = option(5, "")
+    min_time: float = option(0.1, "seconds per timing (repeats)")
+    float_max_seconds: float = option(
+        10.0, "skip a float case whose calls would take longer than this in all"
     )
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--no-write", action="store_true", help="print only")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.rows = [r for r in args.rows if r <= 256] or [16]
-        args.rounds = min(args.rounds, 3)
-        args.min_time = min(args.min_time, 0.05)
-        args.float_max_seconds = min(args.float_max_seconds, 3.0)
-    args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
-    return args
+    quick: bool = option(False, "")
+
+    def __post_init__(self) -> None:
+        if self.quick:
+            self.rows = [r for r in self.rows if r <= 256] or [16]
+            self.rounds = min(self.rounds, 3)
+            self.min_time = min(self.min_time, 0.05)
+            self.float_max_seconds = min(self.float_max_seconds, 3.0)
+
+    @property
+    def dtype_names(self) -> list[str]:
+        return [d.strip() for d in self.dtypes.split(",") if d.strip()]
 
 
 def time_call(fn: Callable[[], Any], repeats: int) -> float:
@@ -99,41 +91,25 @@ def time_call(fn: Callable[[], Any], repeats: int) -> float:
     return elapsed / repeats
 
 
-def stats(values: list[float]) -> dict[str, float]:
-    return {
-        "median": statistics.median(values),
-        "min": min(values),
-        "max": max(values),
-    }
-
-
 def facts() -> tuple[dict[str, Any], dict[str, Any]]:
-    """(machine, versions)."""
+    """(machine, versions) beside the runner's: the cores and threads this
+    process may use, and the libraries that encode and decode."""
+    import os
+
     import pybase64
     import pydantic
     import torch
     import vllm
 
-    from vllm_hs.patched_vllm import is_patched
-
+    machine: dict[str, Any] = {"torch_threads": torch.get_num_threads()}
     try:
-        from benchmarks.common import machine_facts
-
-        machine = machine_facts()
-    except ImportError:
-        machine = {"cores": None, "platform": platform.platform()}
-    try:
-        import os
-
         machine["usable_cores"] = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         pass
-    machine["torch_threads"] = torch.get_num_threads()
     versions = {
         "python": platform.python_version(),
         "torch": torch.__version__,
         "vllm": getattr(vllm, "__version__", "unknown"),
-        "vllm_patched": is_patched(vllm),
         "pybase64": getattr(pybase64, "__version__", "unknown"),
         "pydantic": pydantic.VERSION,
     }
@@ -203,10 +179,10 @@ class Case:
         return per_call
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: EncodingSettings) -> dict[str, Any]:
     cases = [
         Case(rows, args.layers, hidden, dtype)
-        for dtype in args.dtypes
+        for dtype in args.dtype_names
         for hidden in sorted(args.hidden)
         for rows in sorted(args.rows)
     ]
@@ -239,9 +215,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rounds: list[dict[str, Any]] = []
     for r in range(args.rounds):
         for case in cases:
-            variants = [v for v in VARIANTS if v in case.repeats]
-            shift = r % len(variants)
-            order = variants[shift:] + variants[:shift]
+            order = rotation([v for v in VARIANTS if v in case.repeats], r)
             seconds = {}
             for variant in order:
                 seconds[variant] = time_call(case.op(variant), case.repeats[variant])
@@ -266,8 +240,8 @@ def case_result(case: Case) -> dict[str, Any]:
             continue
         variants[variant] = {
             "seconds": seconds,
-            "seconds_stats": stats(seconds),
-            "raw_bytes_per_s": stats([case.raw_bytes / s for s in seconds]),
+            "seconds_stats": spread(seconds),
+            "raw_bytes_per_s": spread([case.raw_bytes / s for s in seconds]),
             "repeats": case.repeats[variant],
         }
     result: dict[str, Any] = {
@@ -287,11 +261,11 @@ def case_result(case: Case) -> dict[str, Any]:
             f / b
             for b, f in zip(case.seconds["base64"], case.seconds["float"], strict=True)
         ]
-        result["base64_over_float_throughput"] = {"rounds": ratios, **stats(ratios)}
+        result["base64_over_float_throughput"] = {"rounds": ratios, **spread(ratios)}
     return result
 
 
-def headline(results: list[dict[str, Any]]) -> dict[str, Any] | None:
+def headline(results: list[dict[str, Any]]) -> Summary | None:
     with_float = [c for c in results if "base64_over_float_throughput" in c]
     if not with_float:
         return None
@@ -300,14 +274,14 @@ def headline(results: list[dict[str, Any]]) -> dict[str, Any] | None:
         max(with_float, key=lambda c: c["raw_bytes"]),
     )
     ratio = chosen["base64_over_float_throughput"]
-    return {
-        "metric": f"base64 / float encode throughput ({chosen['name']})",
-        "higher_is_better": True,
-        "aim": None,
-        "median": ratio["median"],
-        "min": ratio["min"],
-        "max": ratio["max"],
-    }
+    return Summary(
+        metric=f"base64 / float encode throughput ({chosen['name']})",
+        higher_is_better=True,
+        aim=None,
+        median=ratio["median"],
+        min=ratio["min"],
+        max=ratio["max"],
+    )
 
 
 def fmt_rate(block: dict[str, Any] | None) -> str:
@@ -353,32 +327,30 @@ def markdown(results: list[dict[str, Any]], rounds: int) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    t0 = time.perf_counter()
+def measure(args: EncodingSettings) -> list[Result]:
+    print(
+        f"response encoding: rows {args.rows}, hidden {args.hidden}, {args.dtype_names}"
+    )
     machine, versions = facts()
-    if not versions["vllm_patched"]:
-        print("the importable vllm is not patched (no hidden states)", file=sys.stderr)
-        return 2
-    print(f"response encoding: rows {args.rows}, hidden {args.hidden}, {args.dtypes}")
     outcome = run(args)
     results = [case_result(c) for c in outcome["cases"]]
-    document = {
-        "suite": "response_encoding",
-        "description": (
+    summary = headline(results)
+    print()
+    print(markdown(results, args.rounds))
+    if summary is not None:
+        s = summary
+        print(f"\n{s.metric}: {s.median:.1f}x [{s.min:.1f}, {s.max:.1f}]")
+    result = Result(
+        suite="response_encoding",
+        description=(
             "Server response path of hidden states: encode_hidden_states + "
             "HiddenStatesPayload.model_dump_json (base64, float) and client "
             "vllm_hs.client.decode(json.loads(base64 JSON)); raw tensor bytes/s."
         ),
-        "started": started,
-        "seconds": time.perf_counter() - t0,
-        "machine": machine,
-        "versions": versions,
-        "settings": {
+        settings={
             "rows": args.rows,
             "hidden": args.hidden,
-            "dtypes": args.dtypes,
+            "dtypes": args.dtype_names,
             "layers": args.layers,
             "rounds": args.rounds,
             "min_time_s": args.min_time,
@@ -389,25 +361,10 @@ def main(argv: list[str] | None = None) -> int:
             "timing": "mean per call over repeats (>= min_time_s), gc off; "
             "variant order rotates each round",
         },
-        "cases": results,
-        "rounds": outcome["rounds"],
-    }
-    summary = headline(results)
-    if summary is not None:  # the headline ratio, as benchmarks/report.py reads it
-        document["summary"] = summary
-    table = markdown(results, args.rounds)
-    print()
-    print(table)
-    if summary is not None:
-        s = summary
-        print(f"\n{s['metric']}: {s['median']:.1f}x [{s['min']:.1f}, {s['max']:.1f}]")
-    print(f"\n{document['seconds']:.0f} s")
-    if not args.no_write:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(document, indent=2, sort_keys=True) + "\n")
-        print(f"wrote {args.out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        rounds=outcome["rounds"],
+        summary=summary,
+        extra={"cases": results},
+        machine=machine,
+        versions=versions,
+    )
+    return [result]

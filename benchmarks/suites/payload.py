@@ -23,7 +23,7 @@ response is built). The model is a seeded Llama as wide as an 8B model (4096)
 but with one attention head and two layers, so that the prompt's compute is
 small beside the payload.
 
-    PYTHONPATH=. python -m benchmarks.payload [--size-mib 256] [--rounds 3] [--quick]
+    python -m benchmarks run payload [--size-mib 256] [--rounds 3] [--quick]
 
 Results: benchmarks/results/<release>/payload_*.json (one figure each, every
 round kept), and the generated table.
@@ -31,7 +31,6 @@ round kept), and the generated table.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
@@ -39,19 +38,14 @@ import sys
 import tempfile
 import textwrap
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import (
-    RESULTS_ROOT,
-    SuiteResult,
-    Summary,
-    installed_versions,
-    machine_facts,
-    now,
-    vllm_release,
-    write_result,
-)
+from benchmarks.protocol import option
+from benchmarks.result import Result, summarize
+from benchmarks.rounds import run_rounds
 
 WAYS = ("none", "base64", "ref_http", "ref_path")
 LAYERS: list[int | str] = [0, 1, 2, "final_norm"]
@@ -89,20 +83,21 @@ POLLER = textwrap.dedent(
 )
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size-mib", type=int, default=256)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument(
-        "--quick", action="store_true", help="64 MiB, 2 rounds (a smoke run)"
+@dataclass
+class PayloadSettings:
+    size_mib: int = option(256, "MiB of prompt states per response")
+    rounds: int = option(3, "")
+    quick: bool = option(
+        False,
+        "the smallest settings each suite offers: a smoke run (payload: 64 MiB, "
+        "2 rounds; response_encoding: rows up to 256, 3 rounds, short timings; "
+        "acceptance: about 10 minutes)",
     )
-    parser.add_argument("--out", type=Path, default=None, help="results root")
-    parser.add_argument("--no-write", action="store_true", help="print only")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.size_mib = min(args.size_mib, 64)
-        args.rounds = min(args.rounds, 2)
-    return args
+
+    def __post_init__(self) -> None:
+        if self.quick:
+            self.size_mib = min(self.size_mib, 64)
+            self.rounds = min(self.rounds, 2)
 
 
 def prompt_tokens(size_mib: int) -> int:
@@ -151,6 +146,23 @@ def fetch(url: str, ids: list[int], way: str) -> tuple[float, float, int]:
     return end - start, end - answered, rows.numel() * rows.element_size()
 
 
+def _timed(url: str, ids: list[int], way: str) -> Callable[[], dict[str, Any]]:
+    """One way, timed: its `fetch` figures and the wall-clock window of its
+    request (for the /health answers inside it)."""
+
+    def timed() -> dict[str, Any]:
+        started = time.time()
+        seconds, fetch_s, nbytes = fetch(url, ids, way)
+        return {
+            "seconds": seconds,
+            "after_response_s": fetch_s,
+            "bytes": nbytes,
+            "window": [started, time.time()],
+        }
+
+    return timed
+
+
 def health_windows(
     samples: list[tuple[float, float]], windows: list[tuple[float, float]]
 ) -> list[float]:
@@ -162,7 +174,7 @@ def health_windows(
     return out
 
 
-def run(args: argparse.Namespace) -> list[SuiteResult]:
+def measure(args: PayloadSettings) -> list[Result]:
     from vllm_hs.models.tiny import build_tiny_model
     from vllm_hs.testing.server import ServerProcess
 
@@ -190,7 +202,6 @@ def run(args: argparse.Namespace) -> list[SuiteResult]:
     # ServerProcess serves float32; this payload is bf16, as an 8B model's.
     server.cmd[server.cmd.index("--dtype") + 1] = "bfloat16"
     health_log = work / "health.txt"
-    t0 = time.perf_counter()
     server.start().wait_ready(timeout=600)
     poller = None
     try:
@@ -208,21 +219,12 @@ def run(args: argparse.Namespace) -> list[SuiteResult]:
                 str(HEALTH_INTERVAL_S),
             ]
         )
+        ways = {way: _timed(server.url, ids, way) for way in WAYS}
         rounds = []
-        for r in range(args.rounds):
-            order = WAYS[r % len(WAYS) :] + WAYS[: r % len(WAYS)]
-            row: dict[str, Any] = {"order": list(order)}
-            for way in order:
-                started = time.time()
-                seconds, fetch_s, nbytes = fetch(server.url, ids, way)
-                row[way] = {
-                    "seconds": seconds,
-                    "after_response_s": fetch_s,
-                    "bytes": nbytes,
-                    "window": [started, time.time()],
-                }
-                print(f"round {r} {way}: {seconds:.3f} s", flush=True)
-            rounds.append(row)
+        for r, row in enumerate(run_rounds(args.rounds, ways)):
+            rounds.append({"order": list(row), **row})
+            for way, entry in row.items():
+                print(f"round {r} {way}: {entry['seconds']:.3f} s", flush=True)
     finally:
         if poller is not None:
             poller.terminate()
@@ -261,28 +263,21 @@ def run(args: argparse.Namespace) -> list[SuiteResult]:
         "ref_dir": "tmpfs (/dev/shm)",
         "max_num_batched_tokens": 2048,
     }
-    seconds = time.perf_counter() - t0
 
-    def result(suite: str, description: str, values: list[float], **summary):
-        return SuiteResult(
+    def result(suite: str, description: str, values: list[float], **summary: Any):
+        return Result(
             suite=suite,
             description=description,
             settings=settings,
             rounds=rounds,
-            summary=Summary(
-                median=statistics.median(values),
-                min=min(values),
-                max=max(values),
-                **summary,
-            ),
-            started=now(),
-            seconds=seconds,
+            summary=summarize(values, **summary),
         )
 
     health = [
         max(row[way]["health_max_ms"] for way in ("base64", "ref_http", "ref_path"))
         for row in rounds
     ]
+    _print_rates(rounds)
     return [
         result(
             "payload_ref_http",
@@ -318,37 +313,12 @@ def run(args: argparse.Namespace) -> list[SuiteResult]:
     ]
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    versions = installed_versions()
-    if not versions.get("patched"):
-        print(f"the importable vllm is not patched: {versions}", file=sys.stderr)
-        return 2
-    results = run(args)
-    machine = machine_facts()
-    for result in results:
-        result.machine = machine
-        result.versions = versions
-        s = result.summary
-        print(f"{result.suite}: {s.metric}: {s.median:.3f} [{s.min:.3f}, {s.max:.3f}]")
-    rows = results[0].rounds
+def _print_rates(rounds: list[dict[str, Any]]) -> None:
     for way in WAYS[1:]:
-        rates = [row[way]["delivery_mib_per_s"] for row in rows]
+        rates = [row[way]["delivery_mib_per_s"] for row in rounds]
         line = f"{way}: {statistics.median(rates):.0f} MiB/s delivery"
         if way.startswith("ref"):
-            fetched = [row[way]["fetch_mib_per_s"] for row in rows]
+            fetched = [row[way]["fetch_mib_per_s"] for row in rounds]
             line += f", {statistics.median(fetched):.0f} MiB/s fetch"
         print(line + " (medians)")
-    print(json.dumps({w: [r[w]["seconds"] for r in rows] for w in WAYS}))
-    if not args.no_write:
-        from benchmarks.report import write_report
-
-        release = vllm_release(versions)
-        for result in results:
-            print("->", write_result(result, release, args.out))
-        write_report(args.out or RESULTS_ROOT)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    print(json.dumps({w: [r[w]["seconds"] for r in rounds] for w in WAYS}))

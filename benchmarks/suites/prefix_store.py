@@ -11,24 +11,41 @@ prefill only (max_tokens=1), prompt states of all four of the engine's layers
 (the store keeps only rows of requests asking for every layer; a hit whose
 rows it does not all hold is recomputed).
 
-    python -m benchmarks.prefix_store [--model large] [--rounds 3]
+    python -m benchmarks run prefix_store [--model large] [--rounds 3]
+
+Each process is `python -m benchmarks.suites.prefix_store '<spec json>'`.
 
 Writes benchmarks/results/v<vllm version>/prefix_store.json.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import time
-from dataclasses import asdict
-from pathlib import Path
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from typing import Any
 
-from benchmarks.common import machine_facts, now, summarize, write_script_result
-from benchmarks.suites import MODELS, run_workload
+from benchmarks.protocol import option
+from benchmarks.result import Result, summarize
+from benchmarks.rounds import run_rounds
+from benchmarks.suites.engine import MODELS, require_seeded, run_workload, seeded_model
+
+
+@dataclass
+class PrefixStoreSettings:
+    model: str = option("large", "")
+    dtype: str = option("bfloat16", "")
+    system_len: int = option(512, "tokens of the shared system prompt")
+    user_len: int = option(32, "tokens of each fresh user part")
+    prompts: int = option(16, "")
+    batches: int = option(2, "timed batches per process")
+    rounds: int = option(3, "")
+
+    def __post_init__(self) -> None:
+        require_seeded(self.model)
 
 
 def _worker(spec: dict[str, Any]) -> dict[str, Any]:
@@ -36,10 +53,8 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from vllm_hs.models.tiny import build_tiny_model
-
     sizes = MODELS[spec["model"]]
-    path = str(build_tiny_model("llama", "float32", **sizes))
+    path = seeded_model(spec["model"])
     num_layers = sizes.get("num_hidden_layers", 4)
     layers = list(dict.fromkeys([1, num_layers // 2, num_layers - 1, num_layers]))
     llm = LLM(
@@ -84,46 +99,19 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
     return {"timings": timings, "loadavg": os.getloadavg()}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--model", default="large", choices=sorted(MODELS))
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--system-len", type=int, default=512)
-    parser.add_argument("--user-len", type=int, default=32)
-    parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--batches", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args(argv)
-    if args.worker:
-        result = _worker(json.loads(args.worker))
-        print("WORKLOAD_RESULT " + json.dumps(result), flush=True)
-        return 0
-
+def measure(args: PrefixStoreSettings) -> list[Result]:
     import vllm
 
-    base = {
-        "model": args.model,
-        "dtype": args.dtype,
-        "system_len": args.system_len,
-        "user_len": args.user_len,
-        "prompts": args.prompts,
-        "batches": args.batches,
-    }
+    base = asdict(args)
+    del base["rounds"]
     variants = {"recompute": 0, "store": 1 << 30}
-    t0 = time.perf_counter()
-    load_before = os.getloadavg()
+    sides = {
+        name: _process(sys.executable, {**base, "store_bytes": capacity})
+        for name, capacity in variants.items()
+    }
     rounds = []
-    for r in range(args.rounds):
-        row: dict[str, Any] = {"round": r}
-        for name, capacity in variants.items():
-            row[name] = run_workload(
-                sys.executable,
-                {**base, "store_bytes": capacity},
-                module="benchmarks.prefix_store",
-                flags=("--worker",),
-            )
+    for r, measured in enumerate(run_rounds(args.rounds, sides, rotate=False)):
+        row: dict[str, Any] = {"round": r, **measured}
         times = {
             name: min(t["seconds"] for t in row[name]["timings"]) for name in variants
         }
@@ -136,34 +124,32 @@ def main(argv: list[str] | None = None) -> int:
             f"mean cached tokens with the store {cached:.0f}",
             flush=True,
         )
-    result = {
-        "suite": "prefix_store",
-        "description": __doc__.split("\n\n")[0],
-        "settings": {
+    result = Result(
+        suite="prefix_store",
+        description=(__doc__ or "").split("\n\n")[0],
+        settings={
             **base,
             "prompt_len": args.system_len + args.user_len,
             "max_tokens": 1,
             "rounds": args.rounds,
             "vllm": vllm.__version__,
         },
-        "load_average": {"before": load_before, "after": os.getloadavg()},
-        "machine": machine_facts(),
-        "rounds": rounds,
-        "summary": asdict(
-            summarize(
-                [r["ratio"] for r in rounds],
-                "batch time recomputing prompts / with hits served from the store",
-                True,
-                1.0,
-            )
+        rounds=rounds,
+        summary=summarize(
+            [r["ratio"] for r in rounds],
+            "batch time recomputing prompts / with hits served from the store",
+            True,
+            1.0,
         ),
-        "started": now(),
-        "seconds": time.perf_counter() - t0,
-    }
-    out = write_script_result(result, args.out)
-    print(f"wrote {out}")
-    return 0
+    )
+    return [result]
+
+
+def _process(python: str, spec: dict[str, Any]) -> Callable[[], dict[str, Any]]:
+    """One side: a process of this module running `spec`."""
+    return lambda: run_workload(python, spec, module="benchmarks.suites.prefix_store")
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    result = _worker(json.loads(sys.argv[1]))
+    print("WORKLOAD_RESULT " + json.dumps(result), flush=True)
