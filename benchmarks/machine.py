@@ -68,13 +68,19 @@ def installed_versions(python: str = sys.executable) -> dict[str, Any]:
 
 
 def has_channel(python: str) -> bool:
-    """Whether the vllm importable by `python` has the hidden-state channel."""
+    """Whether the vllm importable by `python` has the hidden-state channel
+    (`vllm_hs.patched_vllm`'s check, in that interpreter)."""
+    code = (
+        "import sys; from vllm_hs.patched_vllm import unpatched_reason; "
+        "sys.exit(1 if unpatched_reason() else 0)"
+    )
     try:
         subprocess.run(
-            [python, "-c", "import vllm; vllm.HiddenStatesParams"],
+            [python, "-c", code],
             capture_output=True,
             check=True,
             timeout=120,
+            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
         )
         return True
     except (subprocess.SubprocessError, OSError):
