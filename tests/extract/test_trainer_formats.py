@@ -18,9 +18,10 @@ import pytest
 import torch
 
 from vllm_hs.errors import VllmHsError
-from vllm_hs.extract.format import HS_DIR, MANIFEST, merge_shards, shard_dir
+from vllm_hs.extract.formats.specforge import SpecForgeFiles
 from vllm_hs.extract.inputs import render_with_mask
-from vllm_hs.extract.trainers import SpecForgeFiles
+from vllm_hs.extract.outdir import merge_shards, shard_dir
+from vllm_hs.extract.records import HS_DIR, MANIFEST
 from vllm_hs.hf_reference import assert_states_close, hf_hidden_states
 
 # Tiny model (L=4): trainer aux ids [0, 1, 2] = vllm-hs [1, 2, 3], then the
@@ -267,7 +268,7 @@ def test_what_a_trainer_cannot_read_is_refused(
 def test_default_layers_end_with_final_norm():
     """The trainers' default aux ids [1, L//2 - 1, L - 4] are vllm-hs's
     [2, L//2, L - 3]; the tiny model's collide and are spread instead."""
-    from vllm_hs.extract.trainers import sample_files
+    from vllm_hs.extract.formats import sample_files
 
     for trainer in ("specforge", "modelopt"):
         files = sample_files(trainer)
