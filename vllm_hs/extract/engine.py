@@ -7,6 +7,7 @@ stopping the engines of a run (`start_engine`, `stop_engine`).
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import hashlib
 from collections.abc import Sequence
@@ -52,10 +53,12 @@ class ModelFacts:
     @classmethod
     def planned(cls, model: str, engine_options: dict[str, Any]) -> ModelFacts:
         """The model as engines started with these options will see it, from
-        vLLM's own `ModelConfig` built without an engine."""
+        vLLM's own `ModelConfig` built without an engine (from a copy of the
+        options: EngineArgs may change the objects it is given)."""
         from vllm.engine.arg_utils import EngineArgs
 
-        return cls.of(EngineArgs(model=model, **engine_options).create_model_config())
+        args = EngineArgs(model=model, **copy.deepcopy(engine_options))
+        return cls.of(args.create_model_config())
 
     def differences(self, other: ModelFacts) -> dict[str, tuple[Any, Any]]:
         """field -> (mine, other's) where the two differ, ``model`` aside (the
