@@ -275,3 +275,21 @@ def test_default_layers_end_with_final_norm():
         assert files.default_layers(32) == [2, 16, 29, "final_norm"]
         assert files.default_layers(4) == LAYERS
     assert sample_files("speculators").default_layers(32) == [2, 16, 29, 32]
+
+
+def test_a_compressed_sample_is_the_same_bytes_wherever_written(tmp_path: Path):
+    """The gzip header holds mtime 0 and the final file name, never the random
+    temporary name the file was written under."""
+    import gzip
+
+    files = SpecForgeFiles(compress=True)
+    states = {"hidden_states": torch.arange(24, dtype=torch.float32).view(2, 4, 3)}
+    written = []
+    for name in ("a", "b"):
+        path = files.path(tmp_path / name, 7, 7)
+        files.save(path, states, torch.tensor([5, 6]), 7, [0, 1])
+        written.append(path.read_bytes())
+    assert written[0] == written[1]
+    assert b"data_7.ckpt\0" in written[0][:40]
+    assert files.read_meta(path).input_index == 7
+    assert gzip.decompress(written[0])

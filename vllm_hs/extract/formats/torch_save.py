@@ -109,11 +109,12 @@ class TorchSaveFiles(SampleFiles):
             if path.name.endswith(".gz"):
                 buffer = io.BytesIO()
                 torch.save(record, buffer)
-                # mtime 0: the same sample gives the same bytes.
+                # mtime 0 and the final name in the header (not the
+                # temporary one): the same sample gives the same bytes.
                 with (
                     open(tmp, "wb") as raw,
                     gzip.GzipFile(
-                        fileobj=raw, mode="wb", compresslevel=6, mtime=0
+                        path.name, mode="wb", compresslevel=6, fileobj=raw, mtime=0
                     ) as f,
                 ):
                     f.write(buffer.getbuffer())
