@@ -44,9 +44,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_OUTPUT = Path("vllm-hs-extract-out")
 
 EPILOG = """\
-The output files of each --format, layer ids, sharding and --merge, vLLM's
-engine options, fp8 storage, Ray and file modes: docs/extract.md (in the
-vllm-hs source tree).
+The guide, docs/extract.md in the source tree, describes the output files of
+each --format, layer ids, sharding and --merge, vLLM's engine options, fp8
+storage, Ray, and file modes.
 
 examples:
   vllm-hs extract                                    # tiny model, shipped data
