@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_hs.extract.format import save_hs_file
+from vllm_hs.extract.formats.speculators import save_hs_file
 
 
 def _transfer(path: Path | None):

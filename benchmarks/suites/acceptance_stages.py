@@ -105,7 +105,7 @@ def write_states(source: Path, out: Path, states: Any) -> int:
     import datasets
     import torch
 
-    from vllm_hs.extract.format import hs_path, save_hs_file
+    from vllm_hs.extract.formats.speculators import hs_path, save_hs_file
 
     rows = datasets.load_from_disk(str(source))
     copy_rows(source, out)

@@ -7,7 +7,7 @@ Sides, on the conversations shipped with vllm-hs rendered by the model's chat
 template (prompt tokens only; every token is computed: the engine runs without
 prefix caching, since prompt-state requests never read it):
 
-- extract: `vllm_hs.extract.runner.extract` into a fresh directory: engine, states
+- extract: `vllm_hs.extract.job.extract` into a fresh directory: engine, states
   transport, validation and the safetensors/Arrow writes (tokens/s of its loop);
 - states: `LLM.generate` asking for prompt states (max_tokens=1), nothing written;
 - plain: `LLM.generate` with max_tokens=1 and no states (the baseline).
@@ -137,7 +137,8 @@ def measure(args: ExtractionSettings) -> list[Result]:
         plan_samples,
         shipped_conversations_path,
     )
-    from vllm_hs.extract.runner import extract
+    from vllm_hs.extract.job import extract
+    from vllm_hs.extract.settings import ExtractSettings
     from vllm_hs.layer_ids import default_layers
 
     sizes = MODELS[args.model]
@@ -209,15 +210,8 @@ def measure(args: ExtractionSettings) -> list[Result]:
     def extraction() -> dict[str, float]:
         out = workdir / "out"
         shutil.rmtree(out, ignore_errors=True)
-        result = extract(
-            llm,
-            conversations,
-            out,
-            layers=layers,
-            data_sha256=sha,
-            tokenizer=tokenizer,
-            progress=False,
-        )
+        settings = ExtractSettings(out, layers, sha, progress=False)
+        result = extract(llm, conversations, settings, tokenizer)
         assert result.written_tokens == tokens and not result.skipped
         shutil.rmtree(out)
         return {

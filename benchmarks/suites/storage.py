@@ -83,7 +83,8 @@ def measure(args: StorageSettings) -> list[Result]:
     from vllm import LLM
 
     from vllm_hs.extract.inputs import load_conversations, shipped_conversations_path
-    from vllm_hs.extract.runner import extract
+    from vllm_hs.extract.job import extract
+    from vllm_hs.extract.settings import ExtractSettings
     from vllm_hs.layer_ids import default_layers
 
     sizes = MODELS[args.model]
@@ -104,15 +105,10 @@ def measure(args: StorageSettings) -> list[Result]:
     sides: dict[str, dict[str, Any]] = {}
     for storage in STORAGES:
         out = work / storage
-        result = extract(
-            llm,
-            conversations,
-            out,
-            layers=layers,
-            data_sha256=sha,
-            storage_dtype=storage,
-            progress=False,
+        settings = ExtractSettings(
+            out, layers, sha, storage_dtype=storage, progress=False
         )
+        result = extract(llm, conversations, settings)
         files = [
             out / "hidden_states" / f"hs_{i}.safetensors" for i in range(result.samples)
         ]

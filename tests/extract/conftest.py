@@ -167,13 +167,15 @@ def file_digests_fixture() -> Callable[[Path], dict[str, str]]:
 
 
 def _run_extract(llm: Any, conversations: list, output: Path, **kwargs: Any) -> Any:
-    """`vllm_hs.extract.runner.extract` with the test engine's layers, quiet."""
-    from vllm_hs.extract.runner import extract
+    """`vllm_hs.extract.job.extract` with the test engine's layers, quiet;
+    ``kwargs``: fields of `ExtractSettings`."""
+    from vllm_hs.extract.job import extract
+    from vllm_hs.extract.settings import ExtractSettings
 
     kwargs.setdefault("layers", LAYERS)
     kwargs.setdefault("data_sha256", "test")
     kwargs.setdefault("progress", False)
-    return extract(llm, conversations, output, **kwargs)
+    return extract(llm, conversations, ExtractSettings(output=output, **kwargs))
 
 
 @pytest.fixture(name="run_extract", scope="session")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_hs.extract.format import HS_DIR, MANIFEST
+from vllm_hs.extract.records import HS_DIR, MANIFEST
 from vllm_hs.hf_reference import assert_states_close, hf_hidden_states
 
 LAYERS = [1, 2, 3, 4]

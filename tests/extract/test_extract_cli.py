@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from vllm_hs.extract.cli import DEFAULT_OUTPUT
-from vllm_hs.extract.format import FINGERPRINT_KEYS, HS_DIR, MANIFEST, SKIPPED
 from vllm_hs.extract.inputs import load_conversations, shipped_conversations_path
+from vllm_hs.extract.manifest import FINGERPRINT_KEYS
+from vllm_hs.extract.records import HS_DIR, MANIFEST, SKIPPED
 
 
 def vllm_hs(
@@ -93,14 +94,12 @@ def test_help_names_the_defaults(tmp_path: Path):
         "--merge",
         "-- ENGINE_ARGS",
         "hidden_states/hs_{i}.safetensors",
-        "conversation n goes to shard n % S",
+        "n % S == I",
         "never truncated",
         "--format",
-        "rows_{g}-{g+2000}/data_{i}.ckpt",
-        "{conversation_id}.pt",
         "--ray",
         "--replicas",
-        "ray start --head",
+        "docs/extract.md",  # the guide: files, layer ids, sharding, Ray
     ):
         assert needle in text, needle
 
@@ -242,17 +241,17 @@ def test_parsing_imports_vllm_only_for_engine_options():
     script = """
 import sys
 from vllm_hs.cli import build_parser
-from vllm_hs.extract.cli import _given_engine_options
+from vllm_hs.extract.engine_options import given_engine_options
 
 args = build_parser().parse_args(["extract", "--output", "o", "--layers=1,-1"])
 assert "vllm" not in sys.modules, "vllm imported"
-assert _given_engine_options(args) == {}
+assert given_engine_options(args) == {}
 args = build_parser().parse_args(
     ["extract", "--dtype", "float32", "--max-num-seqs=4", "--no-enforce-eager",
      "--seed", "3", "--max-length", "9", "--", "--max-model-len", "64"]
 )
 assert "vllm" in sys.modules
-given = _given_engine_options(args)
+given = given_engine_options(args)
 assert given == {"dtype": "float32", "max_num_seqs": 4, "enforce_eager": False}, given
 assert (args.seed, args.max_length) == (3, 9)
 assert args.engine_args[-2:] == ["--max-model-len", "64"], args.engine_args

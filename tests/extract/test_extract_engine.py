@@ -13,8 +13,10 @@ import pytest
 import torch
 
 from vllm_hs.errors import VllmHsError
-from vllm_hs.extract.format import HS_DIR, MANIFEST, SKIPPED, merge_shards, shard_dir
 from vllm_hs.extract.inputs import load_conversations, render_with_mask
+from vllm_hs.extract.outdir import merge_shards, shard_dir
+from vllm_hs.extract.records import HS_DIR, MANIFEST, SKIPPED
+from vllm_hs.extract.settings import RegenerateSettings
 from vllm_hs.hf_reference import assert_states_close, hf_greedy, hf_hidden_states
 
 LAYERS = [1, 2, 3, 4]
@@ -316,16 +318,16 @@ def test_a_dead_writers_temp_file_is_not_left_in_the_dataset(
     """A writer killed mid-write while the run goes on (a Ray replica: Ray Data
     restarts it and another replica redoes its batch) leaves its temporary file;
     the completed dataset must not hold it."""
-    from vllm_hs.extract import runner
+    from vllm_hs.extract import job
 
-    real_run_samples = runner.run_samples
+    real_run_samples = job.run_samples
     leftover = f".hs_3.safetensors.{2**22 + 1}-140049679984320.tmp"
 
     def run_samples_while_a_peer_dies(engine, tokenizer, loop, *args, **kwargs):
         real_run_samples(engine, tokenizer, loop, *args, **kwargs)
-        (loop.output / HS_DIR / leftover).write_bytes(b"partial")
+        (loop.settings.output / HS_DIR / leftover).write_bytes(b"partial")
 
-    monkeypatch.setattr(runner, "run_samples", run_samples_while_a_peer_dies)
+    monkeypatch.setattr(job, "run_samples", run_samples_while_a_peer_dies)
     out = tmp_path / "out"
     run_extract(llm, conversations, out)
     assert not list(out.rglob(".*"))
@@ -437,7 +439,7 @@ def test_regenerate_states_equal_hf_on_generated_tokens(
     ]
     max_new = 12
     out = tmp_path / "regen"
-    result = run_extract(llm, batch, out, regenerate=True, max_new_tokens=max_new)
+    result = run_extract(llm, batch, out, regenerate=RegenerateSettings(max_new))
     assert result.samples == 3 and not result.skipped
     data, files = load_output(out)
     for i, conversation in enumerate(batch):
@@ -484,7 +486,7 @@ def test_regenerate_with_sampling_is_reproducible(
     """temperature > 0: conversation n samples with seed --seed + n, so a rerun
     (or a resume) writes the same files; states still equal HF."""
     batch = conversations[:4]
-    options = dict(regenerate=True, max_new_tokens=8, temperature=1.0, seed=7)
+    options = dict(regenerate=RegenerateSettings(8, 1.0, 7))
     first = run_extract(llm, batch, tmp_path / "a", **options)
     second = run_extract(llm, batch, tmp_path / "b", **options)
     assert first.samples == second.samples == 4

@@ -406,18 +406,13 @@ def test_non_finite_scan(dtype: str):
 
 
 # ---------------------------------------------------------------------------
-# The manifest and skip records (format.py)
+# The manifest and skip records (manifest.py, records.py)
 
 
 def test_manifest_json_keys_and_round_trip(tmp_path: Path):
-    from vllm_hs.extract.format import (
-        FINGERPRINT_KEYS,
-        ExtractResult,
-        Manifest,
-        RegenerateSettings,
-        Skip,
-        SkipStage,
-    )
+    from vllm_hs.extract.manifest import FINGERPRINT_KEYS, Manifest
+    from vllm_hs.extract.records import ExtractResult, Skip, SkipStage
+    from vllm_hs.extract.settings import RegenerateSettings
 
     manifest = Manifest(
         model="m",

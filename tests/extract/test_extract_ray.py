@@ -21,8 +21,9 @@ import pytest
 from test_extract_cli import assert_same_extraction, digests, vllm_hs
 
 from vllm_hs.extract.cli import DEFAULT_OUTPUT
-from vllm_hs.extract.format import FINGERPRINT_KEYS, HS_DIR, MANIFEST
 from vllm_hs.extract.inputs import load_conversations, shipped_conversations_path
+from vllm_hs.extract.manifest import FINGERPRINT_KEYS
+from vllm_hs.extract.records import HS_DIR, MANIFEST
 from vllm_hs.patched_vllm import expect_patched
 
 NUM = 300  # conversations shipped with vllm-hs

@@ -18,9 +18,10 @@ import pytest
 import torch
 
 from vllm_hs.errors import VllmHsError
-from vllm_hs.extract.format import HS_DIR, MANIFEST, merge_shards, shard_dir
+from vllm_hs.extract.formats.specforge import SpecForgeFiles
 from vllm_hs.extract.inputs import render_with_mask
-from vllm_hs.extract.trainers import SpecForgeFiles
+from vllm_hs.extract.outdir import merge_shards, shard_dir
+from vllm_hs.extract.records import HS_DIR, MANIFEST
 from vllm_hs.hf_reference import assert_states_close, hf_hidden_states
 
 # Tiny model (L=4): trainer aux ids [0, 1, 2] = vllm-hs [1, 2, 3], then the
@@ -267,10 +268,28 @@ def test_what_a_trainer_cannot_read_is_refused(
 def test_default_layers_end_with_final_norm():
     """The trainers' default aux ids [1, L//2 - 1, L - 4] are vllm-hs's
     [2, L//2, L - 3]; the tiny model's collide and are spread instead."""
-    from vllm_hs.extract.trainers import sample_files
+    from vllm_hs.extract.formats import sample_files
 
     for trainer in ("specforge", "modelopt"):
         files = sample_files(trainer)
         assert files.default_layers(32) == [2, 16, 29, "final_norm"]
         assert files.default_layers(4) == LAYERS
     assert sample_files("speculators").default_layers(32) == [2, 16, 29, 32]
+
+
+def test_a_compressed_sample_is_the_same_bytes_wherever_written(tmp_path: Path):
+    """The gzip header holds mtime 0 and the final file name, never the random
+    temporary name the file was written under."""
+    import gzip
+
+    files = SpecForgeFiles(compress=True)
+    states = {"hidden_states": torch.arange(24, dtype=torch.float32).view(2, 4, 3)}
+    written = []
+    for name in ("a", "b"):
+        path = files.path(tmp_path / name, 7, 7)
+        files.save(path, states, torch.tensor([5, 6]), 7, [0, 1])
+        written.append(path.read_bytes())
+    assert written[0] == written[1]
+    assert b"data_7.ckpt\0" in written[0][:40]
+    assert files.read_meta(path).input_index == 7
+    assert gzip.decompress(written[0])

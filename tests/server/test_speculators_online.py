@@ -38,12 +38,13 @@ def test_dataset_generates_hf_rows_from_the_server(
     from transformers import AutoTokenizer
 
     from vllm_hs.client.speculators_online import VllmHsBackend
-    from vllm_hs.extract.format import HS_DIR, Row, write_arrow
+    from vllm_hs.extract.dataset import write_arrow
     from vllm_hs.extract.inputs import (
         load_conversations,
         render_with_mask,
         shipped_conversations_path,
     )
+    from vllm_hs.extract.records import HS_DIR, Row
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     conversations = load_conversations(shipped_conversations_path())[0][:NUM]

@@ -1,147 +1,52 @@
-"""`vllm-hs extract` on the command line: the parser (extract's options plus
-vLLM's engine options), checks of the cheap inputs before an engine starts, the
-engine, and the summary on stdout.
-
-vLLM's engine options: importing vLLM to declare them takes seconds, and
-`vllm-hs --help` imports every command module, so the extract parser declares
-them only when a command line needs them: when it holds an option extract does
-not define itself (`_ExtractParser`). Options after ``--`` are parsed separately
-by vLLM's own parser (`_engine_overrides`), which also reads its shorthands.
+"""`vllm-hs extract` on the command line: the parser (extract's options; vLLM's
+engine options come from `vllm_hs.extract.engine_options`), the one place
+where the options become `ExtractSettings` (checked there, before an engine
+starts), the run (one engine here, or Ray), and the summary on stdout.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
-import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from vllm_hs.command import ArgumentParser
 from vllm_hs.errors import VllmHsError, import_extra
-from vllm_hs.extract.format import SKIPPED, ExtractResult, merge_shards, shard_dir
+from vllm_hs.extract.engine import ModelFacts, start_engine, stop_engine
+from vllm_hs.extract.engine_options import (
+    ExtractParser,
+    check_own_options,
+    engine_options,
+    given_engine_options,
+)
+from vllm_hs.extract.formats import FORMATS, sample_files
 from vllm_hs.extract.inputs import (
+    Conversation,
     ConversationError,
     load_conversations,
     shipped_conversations_path,
 )
-from vllm_hs.extract.on_ray import check_ray_options
-from vllm_hs.extract.runner import extract
+from vllm_hs.extract.job import extract
+from vllm_hs.extract.outdir import merge_shards, shard_dir
+from vllm_hs.extract.records import SKIPPED, ExtractResult
+from vllm_hs.extract.settings import ExtractSettings, RayOptions, RegenerateSettings
 from vllm_hs.extract.storage import STORAGE_CHOICES
-from vllm_hs.extract.trainers import FORMATS, sample_files
-from vllm_hs.layer_ids import parse_layers
+from vllm_hs.layer_ids import LayerId, parse_layers
 from vllm_hs.patched_vllm import import_patched_vllm
 
-__all__ = ["DEFAULT_OUTPUT", "EMBEDDED_ENGINE_DEFAULTS", "add_parser", "run"]
+__all__ = ["DEFAULT_OUTPUT", "add_parser", "run"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_OUTPUT = Path("vllm-hs-extract-out")
 
-#: Engine options for the embedded tiny model (the user's options win).
-EMBEDDED_ENGINE_DEFAULTS: dict[str, Any] = {
-    "dtype": "float32",  # vLLM on CPU would run the fp32 checkpoint in bf16
-    "kv_cache_memory_bytes": 256 << 20,
-    "enforce_eager": True,  # compiling costs more than the whole tiny job
-}
-
-#: Prefix of the namespace names of vLLM's engine options (keeps them apart from
-#: extract's own).
-ENGINE_DEST_PREFIX = "engine_option__"
-
-#: Engine options extract sets from its own options.
-_OWN_ENGINE_OPTIONS = {
-    "model": "--model",
-    "seed": "--seed",
-    "hidden_states_config": "--layers",
-}
-
-
 EPILOG = """\
-output (speculators >= 0.5 offline format; train with speculators'
-ArrowDataset(datapath=OUTPUT) or train.py --data-path OUTPUT):
-
-  OUTPUT/data-*.arrow, dataset_info.json, state.json   Arrow dataset: input_ids
-      int64 [T], loss_mask int64 0/1 [T], seq_len int (one row per sample)
-  OUTPUT/hidden_states/hs_{i}.safetensors   row i: hidden_states [T, K, H] in
-      the model dtype or --storage-dtype (columns = --layers), token_ids int64
-      [T]; with --storage-dtype fp8 also hidden_states_scales float32 [T, 1, 1]
-  OUTPUT/token_freq.pt          counts of the loss-masked token ids (for
-      train.py --draft-vocab-size)
-  OUTPUT/vllm_hs_extract.json   settings, what each column is, summary
-  OUTPUT/skipped.jsonl          conversations not written, with the reason
-
-layer ids (L = num_hidden_layers): k in 0..L-1 = residual stream entering
-decoder layer k (HF hidden_states[k]); L or -1 = last layer's output before the
-final norm; final_norm = after it. speculators reads the last column as the
-verifier's last hidden state (pre-norm: layer L) and the others as aux layers.
-
-sharding: conversation n goes to shard n % S; each shard writes a complete dataset to
-OUTPUT/shard-IIIII-of-SSSSS/. Put all shard directories in one OUTPUT (shared
-file system or copy) and run 'vllm-hs extract --output OUTPUT --merge': rows in
-input order, identical to an unsharded run.
-
-vLLM engine options: every engine option of 'vllm serve' (vLLM's EngineArgs:
---dtype, --max-model-len, --tensor-parallel-size, --max-num-batched-tokens,
---enforce-eager, ...; see 'vllm serve --help=all') is an option of extract too,
-or goes after '--', where vLLM's own parser reads it with its shorthands (-O3,
---compilation-config.KEY VALUE, --config FILE.yaml); an option given both ways
-takes the value after '--'. Names both define are extract's: --model is the
-model the engine runs (default: the embedded tiny model), --seed N seeds both
-the engine and --regenerate's sampling. --layers sets the engine's
---hidden-states-config. The embedded model runs with --dtype float32
---enforce-eager --kv-cache-memory-bytes 256MiB unless these are given.
---max-length is the longest sample (the engine's --max-model-len - 1 by
-default; raise --max-model-len for longer samples).
-
-fp8 storage: hidden_states float8_e4m3fn and one float32 scale per token over
-all its layers (amax / 448), the layout of hs-connectors' FP8HiddenStatesConnector.
-Read it through hs_connectors.transfer.FP8Transfer, e.g.
-ArrowDataset(datapath=OUTPUT, transfer=FP8Transfer(OUTPUT / "hidden_states")),
-or 'speculators train --hidden-states-backend fp8': speculators'
-check_hidden_states cannot read these files, and its default reader would hand
-the fp8 values to training without their scales.
-
-other trainers (--format; default layers then [2, L//2, L-3, final_norm]: the
-last column must be final_norm, what their LM head reads; trainer aux id a =
-vllm-hs id a + 1):
-
-  specforge   OUTPUT/hidden_states/rows_{g}-{g+2000}/data_{i}.ckpt (.ckpt.gz with
-      --compress): torch.save of input_ids, loss_mask int64 [T], hidden_state
-      [1, T, H] (final_norm), aux_hidden_state [1, T, 3H] (exactly 3 aux layers);
-      train with --hidden-states-path OUTPUT/hidden_states (SpecForge wants
-      bfloat16: --dtype bfloat16 or --storage-dtype bfloat16)
-  modelopt    OUTPUT/hidden_states/{conversation_id}.pt (conversation_id = input
-      index): torch.save of input_ids, loss_mask [T], hidden_states [T, H]
-      (final_norm), aux_hidden_states [T, K*H], conversation_id; train with
-      data.offline_data_path=OUTPUT/hidden_states (loss_mask is read only with
-      training.answer_only_loss=true)
-  Neither gets the Arrow dataset or token_freq.pt; --storage-dtype fp8 is
-  speculators' only.
-
-Ray (--ray, vllm-hs[ray]): the driver plans the samples and writes the
-manifest and the dataset; --replicas N engines in Ray actors (Ray Data's
-actor pool) extract batches of samples and write their files into OUTPUT
-themselves. The output is the dataset a run without Ray writes, and --resume
-continues a killed run with or without Ray. Every node needs the patched vLLM,
-vllm-hs, the model at the same path (or hub id) and OUTPUT on a shared file
-system at the same path; replicas get the driver's VLLM_*, HF_*, OMP_* and
-VLLM_HS_CACHE variables, and GPUs (tensor x pipeline parallel size each) when
-the cluster has any. Multi-node:
-  node 1:  ray start --head --port 6379
-  others:  ray start --address HEAD_IP:6379
-  node 1:  vllm-hs extract --model M --data D --output /shared/O \
-               --ray auto --replicas 8 --tensor-parallel-size 1
-Without a shared file system: one shard per node (--num-shards S --shard-index
-I, with or without --ray), then copy the shard directories into one OUTPUT and
---merge.
-
-file modes: every file is written with the mode the umask gives new files
-(umask 022: 0644).
+The guide, docs/extract.md in the source tree, describes the output files of
+each --format, layer ids, sharding and --merge, vLLM's engine options, fp8
+storage, Ray, and file modes.
 
 examples:
   vllm-hs extract                                    # tiny model, shipped data
@@ -170,8 +75,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         epilog=EPILOG,
     )
     if type(parser) is ArgumentParser:
-        # Same parser, plus vLLM's engine options on demand (see _ExtractParser).
-        parser.__class__ = _ExtractParser
+        # Same parser, plus vLLM's engine options on demand (see ExtractParser).
+        parser.__class__ = ExtractParser
     parser.add_argument(
         "--model",
         metavar="DIR",
@@ -358,119 +263,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=run)
 
 
-class _ExtractParser(ArgumentParser):
-    """The extract parser: declares vLLM's engine options (`add_engine_options`)
-    the first time it parses a command line holding an option it does not know,
-    so that --help, --merge and input errors never import vLLM."""
-
-    engine_options_added = False
-
-    def parse_known_args(  # type: ignore[override]
-        self, args: Sequence[str] | None = None, namespace: Any = None
-    ) -> tuple[argparse.Namespace, list[str]]:
-        argv = list(sys.argv[1:] if args is None else args)
-        if not self.engine_options_added and self._has_unknown_option(argv):
-            add_engine_options(self)
-        return super().parse_known_args(argv, namespace)
-
-    def _has_unknown_option(self, argv: Sequence[str]) -> bool:
-        known = self._option_string_actions
-        for arg in argv:
-            if arg == "--":
-                return False
-            if not arg.startswith("-") or self._negative_number_matcher.match(arg):
-                continue
-            name = arg.split("=", 1)[0]
-            if name in known or (
-                self.allow_abbrev
-                and name.startswith("--")
-                and any(option.startswith(name) for option in known)
-            ):
-                continue
-            return True
-        return False
-
-
-def add_engine_options(parser: argparse.ArgumentParser) -> None:
-    """Declare vLLM's engine options (``EngineArgs.add_cli_args``) on ``parser``,
-    help suppressed (the epilog explains them), except those extract defines
-    itself (--model, --seed). Their namespace names get `ENGINE_DEST_PREFIX`, and
-    they are set only when given. Without an importable vLLM nothing is added
-    (argparse then reports the option as unrecognized)."""
-    try:
-        from vllm.engine.arg_utils import EngineArgs
-        from vllm.utils.argparse_utils import FlexibleArgumentParser
-    except ImportError as e:
-        logger.debug("vLLM's engine options are unavailable: %s", e)
-        return
-    source = FlexibleArgumentParser(add_help=False)
-    EngineArgs.add_cli_args(source)
-    own = parser._option_string_actions
-    for action in source._actions:
-        if any(option in own for option in action.option_strings):
-            continue
-        action.dest = ENGINE_DEST_PREFIX + action.dest
-        action.default = argparse.SUPPRESS
-        action.help = argparse.SUPPRESS
-        parser._add_action(action)
-    if isinstance(parser, _ExtractParser):
-        parser.engine_options_added = True
-
-
-def _given_engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The engine options given directly (EngineArgs field -> value)."""
-    return {
-        key.removeprefix(ENGINE_DEST_PREFIX): value
-        for key, value in vars(args).items()
-        if key.startswith(ENGINE_DEST_PREFIX)
-    }
-
-
-def _check_own_options(options: dict[str, Any], where: str) -> None:
-    for key, option in _OWN_ENGINE_OPTIONS.items():
-        if key in options:
-            raise VllmHsError(f"pass {option} to vllm-hs extract, not {where}")
-
-
-def _engine_overrides(argv: Sequence[str]) -> dict[str, Any]:
-    """vLLM engine options given after --, as EngineArgs fields that differ
-    from vLLM's defaults."""
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    parser = FlexibleArgumentParser(prog="vllm-hs extract -- ")
-    EngineArgs.add_cli_args(parser)
-    defaults = vars(parser.parse_args([]))
-    try:
-        given = vars(parser.parse_args(list(argv)))
-    except SystemExit as e:
-        raise VllmHsError(f"invalid vLLM engine options after --: {list(argv)}") from e
-    overrides = {k: v for k, v in given.items() if defaults.get(k) != v}
-    _check_own_options(overrides, "after --")
-    return overrides
-
-
-def _num_hidden_layers(model: str, engine_kwargs: dict[str, Any]) -> int:
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(
-        model,
-        revision=engine_kwargs.get("revision"),
-        trust_remote_code=bool(engine_kwargs.get("trust_remote_code")),
-    )
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    layers = getattr(text, "num_hidden_layers", None)
-    if not layers:
-        raise VllmHsError(f"{model}: config has no num_hidden_layers")
-    return int(layers)
-
-
 def run(args: argparse.Namespace) -> int:
     if args.model is None:  # the embedded model needs no hub
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
     engine_argv = [a for a in args.engine_args if a != "--"]
-    given = _given_engine_options(args)
-    _check_own_options(given, "--hidden-states-config")
+    given = given_engine_options(args)
+    check_own_options(given, "--hidden-states-config")
     if args.merge:
         if engine_argv or given or args.ray is not None:
             raise VllmHsError(
@@ -479,109 +277,22 @@ def run(args: argparse.Namespace) -> int:
         result = merge_shards(args.output)
         _print_summary(result, None, 0.0)
         return 0
-    if args.num_shards < 1 or not 0 <= args.shard_index < args.num_shards:
-        raise VllmHsError(
-            f"--shard-index must be in 0..{args.num_shards - 1} (--num-shards "
-            f"{args.num_shards})"
-        )
-    if args.max_length is not None and args.max_length < 1:
-        raise VllmHsError("--max-length must be positive")
-    if args.max_new_tokens < 1:
-        raise VllmHsError("--max-new-tokens must be positive")
     if args.ray is None and (args.replicas != 1 or args.ray_batch_size is not None):
         raise VllmHsError("--replicas and --ray-batch-size need --ray")
-    check_ray_options(args.replicas, args.ray_batch_size)
     started = time.perf_counter()
-
-    # Cheap checks first: data and layers fail before an engine starts.
-    data = args.data if args.data is not None else shipped_conversations_path()
-    try:
-        conversations, data_sha256 = load_conversations(data)
-    except ConversationError as e:
-        raise VllmHsError(f"--data: {e}") from None
-    if not conversations:
-        raise VllmHsError(f"--data: {data} holds no conversations")
-    chat_template = None
-    if args.chat_template is not None:
-        chat_template = args.chat_template.read_text()
-
-    LLM = import_patched_vllm().LLM
-    import_extra("datasets", "writing the Arrow dataset")
-
-    engine_kwargs: dict[str, Any] = {}
-    if args.model is None:
-        from vllm_hs.models.tiny import build_tiny_model
-
-        model = str(build_tiny_model("llama", "float32"))
-        engine_kwargs.update(EMBEDDED_ENGINE_DEFAULTS)
-    else:
-        model = args.model
-    engine_kwargs.update(given)
-    engine_kwargs.update(_engine_overrides(engine_argv))
-    engine_kwargs["seed"] = args.seed
-    num_hidden_layers = _num_hidden_layers(model, engine_kwargs)
-    files = sample_files(args.format, args.compress)
-    if args.layers is None:
-        layers = files.default_layers(num_hidden_layers)
-    else:
-        layers = parse_layers(args.layers, num_hidden_layers)
-    files.check_layers(layers, num_hidden_layers)
-    if files.name == "speculators" and layers[-1] != num_hidden_layers:
-        logger.warning(
-            "note: the last layer is %r, not %d (the last decoder layer before the "
-            "final norm), which speculators reads the last column as",
-            layers[-1],
-            num_hidden_layers,
-        )
-    output = args.output
-    if args.num_shards > 1:
-        output = shard_dir(output, args.shard_index, args.num_shards)
-    logger.info("model: %s", model)
-    logger.info("data: %s (%d conversations)", data, len(conversations))
-    logger.info("layers: %s; output: %s", layers, output)
-
-    options: dict[str, Any] = dict(
-        layers=layers,
-        data_sha256=data_sha256,
-        max_length=args.max_length,
-        regenerate=args.regenerate,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        seed=args.seed,
-        num_shards=args.num_shards,
-        shard_index=args.shard_index,
-        resume=args.resume,
-        chat_template=chat_template,
-        validate=args.validate,
-        buffer_bytes=args.buffer_mib << 20,
-        progress=args.progress,
-        data=str(data),
-        engine_options=_jsonable(engine_kwargs),
-        storage_dtype=args.storage_dtype,
-        trainer_format=args.format,
-        compress=args.compress,
-    )
+    conversations, settings, facts = _settings(args, engine_argv)
     replicas: dict[str, Any] = {}
-    if args.ray is not None:
+    if settings.ray is not None:
         from vllm_hs.extract.on_ray import extract_on_ray
 
-        result, replicas = extract_on_ray(
-            model,
-            engine_kwargs,
-            conversations,
-            output,
-            address=None if args.ray == "local" else args.ray,
-            replicas=args.replicas,
-            batch_size=args.ray_batch_size,
-            **options,
-        )
+        result, replicas = extract_on_ray(conversations, settings, facts)
     else:
-        llm = LLM(model=model, hidden_states_config={"layers": layers}, **engine_kwargs)
+        assert settings.model is not None and settings.engine_options is not None
+        llm = start_engine(settings.model, settings.engine_options, settings.layers)
         try:
-            result = extract(llm, conversations, output, **options)
+            result = extract(llm, conversations, settings)
         finally:
-            with contextlib.suppress(Exception):
-                llm.llm_engine.engine_core.shutdown()
+            stop_engine(llm)
     _print_summary(result, started, result.seconds)
     for name, stats in sorted(replicas.items()):
         print(
@@ -593,7 +304,7 @@ def run(args: argparse.Namespace) -> int:
         logger.error(
             "FAILED validation: %d sample(s) were not written (see %s)",
             len(result.rejected),
-            output / SKIPPED,
+            settings.output / SKIPPED,
         )
         code = 1
     elif result.samples == 0:
@@ -602,11 +313,84 @@ def run(args: argparse.Namespace) -> int:
     return code
 
 
-def _jsonable(value: dict[str, Any]) -> dict[str, Any]:
-    return {
-        k: v if isinstance(v, (int, float, str, bool, type(None))) else str(v)
-        for k, v in value.items()
-    }
+def _settings(
+    args: argparse.Namespace, engine_argv: list[str]
+) -> tuple[list[Conversation], ExtractSettings, ModelFacts]:
+    """The conversations, the run's settings and the model's facts; raises
+    VllmHsError before any engine starts. The cheap checks come first: the
+    Ray and --regenerate options, then the data, then what needs the model."""
+    ray = None
+    if args.ray is not None:
+        address = None if args.ray == "local" else args.ray
+        ray = RayOptions(address, args.replicas, args.ray_batch_size)
+    regenerate = RegenerateSettings(args.max_new_tokens, args.temperature, args.seed)
+    data = args.data if args.data is not None else shipped_conversations_path()
+    try:
+        conversations, data_sha256 = load_conversations(data)
+    except ConversationError as e:
+        raise VllmHsError(f"--data: {e}") from None
+    if not conversations:
+        raise VllmHsError(f"--data: {data} holds no conversations")
+    chat_template = None
+    if args.chat_template is not None:
+        chat_template = args.chat_template.read_text()
+
+    import_patched_vllm()
+    import_extra("datasets", "writing the Arrow dataset")
+    if args.model is None:
+        from vllm_hs.models.tiny import build_tiny_model
+
+        model = str(build_tiny_model("llama", "float32"))
+    else:
+        model = args.model
+    options = engine_options(args, engine_argv, embedded=args.model is None)
+    facts = ModelFacts.planned(model, options)
+    layers = _layers(args, facts.num_hidden_layers)
+    output = args.output
+    if args.num_shards > 1:
+        output = shard_dir(output, args.shard_index, args.num_shards)
+    settings = ExtractSettings(
+        output=output,
+        layers=tuple(layers),
+        data_sha256=data_sha256,
+        data=str(data),
+        model=model,
+        engine_options=options,
+        max_length=args.max_length,
+        regenerate=regenerate if args.regenerate else None,
+        num_shards=args.num_shards,
+        shard_index=args.shard_index,
+        resume=args.resume,
+        chat_template=chat_template,
+        validate=args.validate,
+        storage_dtype=args.storage_dtype,
+        trainer_format=args.format,
+        compress=args.compress,
+        buffer_bytes=args.buffer_mib << 20,
+        progress=args.progress,
+        ray=ray,
+    )
+    logger.info("model: %s", model)
+    logger.info("data: %s (%d conversations)", data, len(conversations))
+    logger.info("layers: %s; output: %s", layers, output)
+    return conversations, settings, facts
+
+
+def _layers(args: argparse.Namespace, num_hidden_layers: int) -> list[LayerId]:
+    """--layers resolved against the model, or the trainer format's default."""
+    if args.layers is None:
+        return sample_files(args.format, args.compress).default_layers(
+            num_hidden_layers
+        )
+    layers = parse_layers(args.layers, num_hidden_layers)
+    if args.format == "speculators" and layers[-1] != num_hidden_layers:
+        logger.warning(
+            "note: the last layer is %r, not %d (the last decoder layer before the "
+            "final norm), which speculators reads the last column as",
+            layers[-1],
+            num_hidden_layers,
+        )
+    return layers
 
 
 def _print_summary(

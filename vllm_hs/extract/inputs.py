@@ -52,7 +52,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from vllm_hs.extract.format import Skip
+from vllm_hs.extract.records import Skip
 
 __all__ = [
     "ROLES",

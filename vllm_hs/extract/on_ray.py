@@ -2,13 +2,13 @@
 engine per replica.
 
 The driver (this process) does what a single-process run does before and after
-the engine loop, with the same code (`vllm_hs.extract.runner.prepare` and
+the engine loop, with the same code (`vllm_hs.extract.job.prepare` and
 `ExtractJob.finish`): it checks the options, opens the output directory and
 writes its manifest, plans the samples (chat template, loss masks) and, with
 --resume, finds the samples already written. The samples left go through a
 Ray Data pipeline: `map_batches` over an actor pool of ``replicas`` actors,
 each holding one engine and running the single-process engine loop
-(`vllm_hs.extract.runner.run_samples`) on its batches. Replicas write each
+(`vllm_hs.extract.loop.run_samples`) on its batches. Replicas write each
 sample file themselves, atomically, straight into the output directory (a file
 system every node sees at the same path), and answer each batch with a
 `BatchReport`: the rows written, the samples skipped and why, their time. The
@@ -37,28 +37,17 @@ import pickle
 import socket
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from vllm_hs.errors import VllmHsError, import_extra
-from vllm_hs.extract.format import ExtractResult, Row, Skip
+from vllm_hs.extract.engine import ModelFacts, start_engine
 from vllm_hs.extract.inputs import Conversation, Sample
-from vllm_hs.extract.runner import (
-    LoopSettings,
-    ModelFacts,
-    prepare,
-    progress_bar,
-    run_samples,
-)
-from vllm_hs.patched_vllm import import_patched_vllm
+from vllm_hs.extract.job import prepare
+from vllm_hs.extract.loop import LoopSettings, progress_bar, run_samples
+from vllm_hs.extract.records import ExtractResult, Row, Skip
+from vllm_hs.extract.settings import ExtractSettings, RayOptions
 
-__all__ = [
-    "BatchReport",
-    "ReplicaStats",
-    "check_ray_options",
-    "extract_on_ray",
-    "start_ray",
-]
+__all__ = ["BatchReport", "ReplicaStats", "extract_on_ray", "start_ray"]
 
 logger = logging.getLogger(__name__)
 
@@ -105,25 +94,13 @@ class Replica:
     """A Ray Data actor (`map_batches` callable class): one patched engine,
     started once; each call extracts one batch of pickled `Sample`s."""
 
-    def __init__(
-        self,
-        model: str,
-        engine_kwargs: dict[str, Any],
-        facts: ModelFacts,
-        loop: LoopSettings,
-    ) -> None:
-        llm_class = import_patched_vllm().LLM
-        self.llm = llm_class(
-            model=model,
-            hidden_states_config={"layers": loop.layers},
-            **engine_kwargs,
+    def __init__(self, facts: ModelFacts, loop: LoopSettings) -> None:
+        settings = loop.settings
+        assert settings.model is not None
+        self.llm = start_engine(
+            settings.model, settings.engine_options or {}, settings.layers
         )
-        mine = ModelFacts.of(self.llm.llm_engine.model_config)
-        differ = {
-            f.name: (getattr(facts, f.name), getattr(mine, f.name))
-            for f in dataclasses.fields(ModelFacts)
-            if f.name != "model" and getattr(facts, f.name) != getattr(mine, f.name)
-        }
+        differ = facts.differences(ModelFacts.of(self.llm.llm_engine.model_config))
         if differ:
             raise VllmHsError(
                 f"replica on {socket.gethostname()}: its engine's model differs "
@@ -137,7 +114,7 @@ class Replica:
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, list[bytes]]:
         samples: list[Sample] = [pickle.loads(b) for b in batch["sample"]]
-        result = ExtractResult(output=self.loop.output)
+        result = ExtractResult(output=self.loop.settings.output)
         rows: dict[int, Row] = {}
         started = time.perf_counter()
         run_samples(
@@ -153,14 +130,6 @@ class Replica:
             seconds=time.perf_counter() - started,
         )
         return {"report": [pickle.dumps(report)]}
-
-
-def check_ray_options(replicas: int, batch_size: int | None) -> None:
-    """Raise VllmHsError for a replica count or batch size that cannot run."""
-    if replicas < 1:
-        raise VllmHsError("--replicas must be at least 1")
-    if batch_size is not None and batch_size < 1:
-        raise VllmHsError("--ray-batch-size must be at least 1")
 
 
 def start_ray(address: str | None, num_cpus: int | None = None) -> Any:
@@ -190,56 +159,39 @@ def start_ray(address: str | None, num_cpus: int | None = None) -> Any:
 
 
 def extract_on_ray(
-    model: str,
-    engine_kwargs: dict[str, Any],
     conversations: Sequence[Conversation],
-    output: Path,
-    *,
-    layers: Sequence[int | str],
-    data_sha256: str,
-    address: str | None = None,
-    replicas: int = 1,
-    batch_size: int | None = None,
-    progress: bool = True,
-    buffer_bytes: int = 2 << 30,
-    **options: Any,
+    settings: ExtractSettings,
+    facts: ModelFacts | None = None,
 ) -> tuple[ExtractResult, dict[str, ReplicaStats]]:
-    """Extract as `vllm_hs.extract.runner.extract` does, with ``replicas``
-    engines (``LLM(model, **engine_kwargs)`` each, started with
-    ``hidden_states_config`` covering ``layers``) on the Ray cluster at
-    ``address`` (None: a local cluster for this run). ``batch_size``: samples
-    per batch a replica takes at a time (default: about a quarter of each
-    replica's share, at most 64). ``buffer_bytes`` holds per replica.
-    ``options``: those of `vllm_hs.extract.runner.prepare`. Returns the result
-    and what each replica did (keyed by host:pid).
+    """Extract as `vllm_hs.extract.job.extract` does, with ``settings.ray``'s
+    replicas, each an engine of ``settings.model`` with
+    ``settings.engine_options`` (``settings.buffer_bytes`` holds per replica).
+    ``facts``: the model as those engines will see it (default:
+    `ModelFacts.planned`; replicas check they agree). Returns the result and
+    what each replica did (keyed by host:pid).
     """
-    check_ray_options(replicas, batch_size)
-    facts = _model_facts(model, layers, engine_kwargs)
-    tokenizer = facts.load_tokenizer()
-    job = prepare(
-        facts,
-        tokenizer,
-        conversations,
-        output,
-        layers=layers,
-        data_sha256=data_sha256,
-        buffer_bytes=buffer_bytes,
-        **options,
-    )
+    ray_options = settings.ray or RayOptions()
+    assert settings.model is not None
+    engine_options = settings.engine_options or {}
+    if facts is None:
+        facts = ModelFacts.planned(settings.model, engine_options)
+    job = prepare(facts, facts.load_tokenizer(), conversations, settings)
     stats: dict[str, ReplicaStats] = {}
-    if job.todo is None:
-        return job.result, stats
+    if isinstance(job, ExtractResult):
+        return job, stats
     todo = job.todo
+    replicas = ray_options.replicas
+    batch_size = ray_options.batch_size
     if batch_size is None:
         batch_size = max(1, min(64, math.ceil(len(todo) / (4 * replicas))))
     started = time.perf_counter()
     if todo:
-        ray = start_ray(address, num_cpus=max(os.cpu_count() or 1, replicas))
+        ray = start_ray(
+            ray_options.address, num_cpus=max(os.cpu_count() or 1, replicas)
+        )
         try:
             _run_pipeline(
                 ray,
-                model,
-                engine_kwargs,
                 facts,
                 job.loop,
                 todo,
@@ -248,7 +200,6 @@ def extract_on_ray(
                 stats,
                 replicas=replicas,
                 batch_size=batch_size,
-                progress=progress,
             )
         finally:
             ray.shutdown()
@@ -257,23 +208,8 @@ def extract_on_ray(
     return job.result, stats
 
 
-def _model_facts(
-    model: str, layers: Sequence[int | str], engine_kwargs: dict[str, Any]
-) -> ModelFacts:
-    """The model as the replicas' engines will see it, from vLLM's own
-    `ModelConfig` built without an engine (replicas check they agree)."""
-    from vllm.engine.arg_utils import EngineArgs
-
-    args = EngineArgs(
-        model=model, hidden_states_config={"layers": list(layers)}, **engine_kwargs
-    )
-    return ModelFacts.of(args.create_model_config())
-
-
 def _run_pipeline(
     ray: Any,
-    model: str,
-    engine_kwargs: dict[str, Any],
     facts: ModelFacts,
     loop: LoopSettings,
     todo: list[Sample],
@@ -283,28 +219,22 @@ def _run_pipeline(
     *,
     replicas: int,
     batch_size: int,
-    progress: bool,
 ) -> None:
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = False
     context.verbose_progress = False
     context.execution_options.preserve_order = False
     items = [{"sample": pickle.dumps(s)} for s in todo]
-    gpus = _gpus_per_replica(ray, engine_kwargs)
+    gpus = _gpus_per_replica(ray, loop.settings.engine_options or {})
     dataset = ray.data.from_items(items).map_batches(
         Replica,
-        fn_constructor_kwargs={
-            "model": model,
-            "engine_kwargs": engine_kwargs,
-            "facts": facts,
-            "loop": loop,
-        },
+        fn_constructor_kwargs={"facts": facts, "loop": loop},
         batch_size=batch_size,
         compute=ray.data.ActorPoolStrategy(size=replicas),
         num_cpus=1,
         num_gpus=gpus,
     )
-    bar = progress_bar(len(todo), progress)
+    bar = progress_bar(len(todo), loop.settings.progress)
     started = time.perf_counter()
     try:
         for record in dataset.iter_rows():

@@ -1,9 +1,9 @@
 """The writer thread of `vllm-hs extract`: checks each finished sample's states
 (shape; NaN/Inf unless --no-validate), converts them to the stored dtype
 (`vllm_hs.extract.storage`) and writes its sample file (in the trainer's
-format, `vllm_hs.extract.trainers`), so disk writes overlap
-engine work. The engine loop (`vllm_hs.extract.runner`) submits
-`WriteJob`s and collects one `WriteResult` per job.
+format, `vllm_hs.extract.formats`), so disk writes overlap engine work. The
+engine loop (`vllm_hs.extract.loop`) submits `WriteJob`s and collects one
+`WriteResult` per job.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from array import array
 from pathlib import Path
 from typing import Any
 
-from vllm_hs.extract.format import Row
+from vllm_hs.extract.formats import SampleFiles
 from vllm_hs.extract.inputs import Sample
+from vllm_hs.extract.records import Row
 from vllm_hs.extract.storage import encode_states
-from vllm_hs.extract.trainers import SampleFiles
 
 __all__ = ["WriteJob", "WriteResult", "Writer"]
 

@@ -1,5 +1,8 @@
-"""The extraction run: `extract` feeds planned samples through a patched vLLM
-engine and writes their hidden states in the format of `vllm_hs.extract.format`.
+"""The engine loop of `vllm-hs extract`: `run_samples` feeds planned samples
+through a patched vLLM engine and hands their states to the writer thread
+(`vllm_hs.extract.writer.Writer`), so disk writes overlap engine work. The
+single-process run (`vllm_hs.extract.job`) and every Ray replica
+(`vllm_hs.extract.on_ray`) run it.
 
 Modes: by default one prefill per conversation (prompt states of the whole
 rendered conversation, max_tokens=1). With --regenerate the target model writes
@@ -9,335 +12,73 @@ a trailing user message is answered too), and the sample is the last turn's
 request: prompt + generated tokens[:-1], its states from that same request
 (prompt and output states), loss mask 1 on assistant tokens of earlier turns and
 on every generated row.
-
-Two threads: the main thread (`_Run`) steps the engine and keeps it fed; the
-writer thread (`vllm_hs.extract.writer.Writer`) checks finished samples and
-writes their hs files, so disk writes overlap engine work.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import logging
 import queue
 import time
 from array import array
 from collections import deque
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from vllm_hs.errors import VllmHsError
-from vllm_hs.extract.format import (
-    COMPACTION,
-    ExtractResult,
-    Manifest,
-    RegenerateSettings,
-    Row,
-    Skip,
-    SkipStage,
-    scan_finished,
-)
+from vllm_hs.extract.engine import ModelFacts
 from vllm_hs.extract.inputs import (
     Conversation,
     LossMaskError,
     Sample,
-    plan_samples,
     render_with_mask,
 )
-from vllm_hs.extract.outdir import finalize, finish_compaction, open_output
-from vllm_hs.extract.storage import FP8, reading_note, stored_dtype
-from vllm_hs.extract.trainers import sample_files
+from vllm_hs.extract.records import ExtractResult, Row, Skip, SkipStage
+from vllm_hs.extract.settings import ExtractSettings
 from vllm_hs.extract.writer import WriteJob, Writer
-from vllm_hs.layer_ids import describe_layers
 
-__all__ = [
-    "ExtractJob",
-    "LoopSettings",
-    "ModelFacts",
-    "NoBar",
-    "extract",
-    "prepare",
-    "progress_bar",
-    "run_samples",
-]
+__all__ = ["LoopSettings", "NoBar", "progress_bar", "run_samples"]
 
 logger = logging.getLogger(__name__)
 
 
-def extract(
-    llm: Any,
-    conversations: Sequence[Conversation],
-    output: Path | str,
-    *,
-    layers: Sequence[int | str],
-    data_sha256: str,
-    tokenizer: Any = None,
-    buffer_bytes: int = 2 << 30,
-    progress: bool = True,
-    **options: Any,
-) -> ExtractResult:
-    """Extract hidden states of ``conversations`` with ``llm`` (a `vllm.LLM`
-    started with ``hidden_states_config`` covering ``layers``) into ``output``
-    (this shard's directory). See the module docstring for the modes and
-    `prepare` for ``options``. At most ``buffer_bytes`` of states are in flight
-    or waiting to be written.
-    """
-    facts = ModelFacts.of(llm.llm_engine.model_config)
-    if tokenizer is None:
-        tokenizer = facts.load_tokenizer()
-    job = prepare(
-        facts,
-        tokenizer,
-        conversations,
-        Path(output),
-        layers=layers,
-        data_sha256=data_sha256,
-        buffer_bytes=buffer_bytes,
-        **options,
-    )
-    if job.todo is None:
-        return job.result
-    started = time.perf_counter()
-    run_samples(
-        llm.llm_engine,
-        tokenizer,
-        job.loop,
-        job.todo,
-        job.result,
-        job.rows,
-        progress_bar(len(job.todo), progress),
-    )
-    job.result.seconds = time.perf_counter() - started
-    job.finish()
-    return job.result
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelFacts:
-    """What an extraction needs to know of the engine's model, from vLLM's
-    `ModelConfig` (an engine's, or one built without an engine: see
-    `vllm_hs.extract.on_ray`)."""
-
-    model: str
-    fingerprint: str
-    """SHA-256 of the model's config.json (identifies the model for --resume)."""
-    max_model_len: int
-    hidden_size: int
-    dtype: str
-    num_hidden_layers: int
-    tokenizer: str
-    tokenizer_revision: str | None
-    trust_remote_code: bool
-
-    @classmethod
-    def of(cls, model_config: Any) -> ModelFacts:
-        return cls(
-            model=str(model_config.model),
-            fingerprint=_model_fingerprint(model_config),
-            max_model_len=int(model_config.max_model_len),
-            hidden_size=int(model_config.get_hidden_size()),
-            dtype=str(model_config.dtype).removeprefix("torch."),
-            num_hidden_layers=int(model_config.hf_text_config.num_hidden_layers),
-            tokenizer=str(model_config.tokenizer),
-            tokenizer_revision=model_config.tokenizer_revision,
-            trust_remote_code=bool(model_config.trust_remote_code),
-        )
-
-    def load_tokenizer(self) -> Any:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(
-            self.tokenizer,
-            revision=self.tokenizer_revision,
-            trust_remote_code=self.trust_remote_code,
-        )
-
-
 @dataclasses.dataclass(frozen=True)
 class LoopSettings:
-    """What the engine loop (`run_samples`) needs besides the engine: the same
-    for every replica of a run (picklable)."""
+    """What the engine loop needs besides the engine: the run's settings and
+    what follows from them for this model; the same for every replica of a run
+    (picklable)."""
 
-    output: Path
-    layers: list[int | str]
+    settings: ExtractSettings
     hidden_size: int
     stored_dtype: str
-    validate: bool
-    trainer_format: str
-    compress: bool
     max_length: int
-    regenerate: RegenerateSettings | None
-    chat_template: str | None
+    """--max-length resolved against the model (`vllm_hs.extract.job`)."""
     budget_tokens: int
     """At most this many tokens of states in flight or waiting to be written."""
 
+    @classmethod
+    def of(
+        cls, settings: ExtractSettings, facts: ModelFacts, max_length: int
+    ) -> LoopSettings:
+        row_bytes = len(settings.layers) * facts.hidden_size * _dtype_size(facts.dtype)
+        return cls(
+            settings=settings,
+            hidden_size=facts.hidden_size,
+            stored_dtype=settings.stored_dtype(facts.dtype),
+            max_length=max_length,
+            budget_tokens=max(1, settings.buffer_bytes // row_bytes),
+        )
+
     def writer(self) -> Writer:
-        files = sample_files(self.trainer_format, self.compress)
         return Writer(
-            self.output,
-            len(self.layers),
+            self.settings.output,
+            len(self.settings.layers),
             self.hidden_size,
-            self.validate,
+            self.settings.validate,
             self.stored_dtype,
-            files,
+            self.settings.files,
         )
-
-
-@dataclasses.dataclass
-class ExtractJob:
-    """A prepared extraction (`prepare`): ``todo`` the samples left to extract
-    (None when there is nothing to run: already complete, or finished while
-    preparing), ``rows`` what is already written (row -> `Row`), and `finish`
-    to call once ``todo`` is done."""
-
-    manifest: Manifest
-    samples: list[Sample]
-    rows: dict[int, Row]
-    todo: list[Sample] | None
-    loop: LoopSettings
-    result: ExtractResult
-
-    def finish(self) -> None:
-        """Close gaps, write the dataset and the complete manifest."""
-        finalize(self.loop.output, self.samples, self.rows, self.manifest, self.result)
-
-
-def prepare(
-    facts: ModelFacts,
-    tokenizer: Any,
-    conversations: Sequence[Conversation],
-    output: Path,
-    *,
-    layers: Sequence[int | str],
-    data_sha256: str,
-    max_length: int | None = None,
-    regenerate: bool = False,
-    max_new_tokens: int = 256,
-    temperature: float = 0.0,
-    seed: int = 0,
-    num_shards: int = 1,
-    shard_index: int = 0,
-    resume: bool = False,
-    chat_template: str | None = None,
-    validate: bool = True,
-    buffer_bytes: int = 2 << 30,
-    data: str | None = None,
-    engine_options: dict[str, Any] | None = None,
-    storage_dtype: str = "auto",
-    trainer_format: str = "speculators",
-    compress: bool = False,
-) -> ExtractJob:
-    """Check the options, open ``output`` (new, or --resume) with its manifest,
-    plan the samples and find those already written.
-
-    ``max_length`` defaults to the engine's ``max_model_len - 1``. ``resume``
-    continues a run in ``output`` that was made with the same settings; without
-    it ``output`` must not hold a run. ``data`` and ``engine_options`` are only
-    recorded in the manifest. ``storage_dtype`` (`vllm_hs.extract.storage`):
-    "auto" (the model's dtype), "bfloat16", "float16" or "fp8".
-    ``trainer_format`` (`vllm_hs.extract.trainers`): "speculators",
-    "specforge" (``compress``: gzipped files) or "modelopt".
-    """
-    max_model_len = facts.max_model_len
-    if max_length is None:
-        max_length = max_model_len - 1
-    elif max_length > max_model_len - 1:
-        raise VllmHsError(
-            f"--max-length {max_length} exceeds what the engine can take "
-            f"(max_model_len {max_model_len} - 1 for the sampled token); raise "
-            "the engine's --max-model-len or lower --max-length"
-        )
-    layers = list(layers)
-    hidden, dtype = facts.hidden_size, facts.dtype
-    stored = stored_dtype(storage_dtype, dtype)
-    num_hidden_layers = facts.num_hidden_layers
-    files = sample_files(trainer_format, compress)
-    files.check_layers(layers, num_hidden_layers)
-    if stored == FP8 and not files.stores_fp8:
-        raise VllmHsError(
-            f"--storage-dtype fp8 is speculators' layout; {trainer_format} cannot "
-            "read its scales (use bfloat16)"
-        )
-    template = chat_template if chat_template is not None else tokenizer.chat_template
-    manifest = Manifest(
-        model=facts.model,
-        model_config_sha256=facts.fingerprint,
-        data_sha256=data_sha256,
-        chat_template_sha256=hashlib.sha256((template or "").encode()).hexdigest(),
-        layers=layers,
-        columns=describe_layers(layers, num_hidden_layers),
-        num_hidden_layers=num_hidden_layers,
-        dtype=stored,
-        model_dtype=None if stored == dtype else dtype,
-        reading=reading_note(stored),
-        hidden_size=hidden,
-        max_length=max_length,
-        regenerate=(
-            RegenerateSettings(max_new_tokens, temperature, seed)
-            if regenerate
-            else None
-        ),
-        validate=validate,
-        num_shards=num_shards,
-        shard_index=shard_index,
-        data=data,
-        engine_options=engine_options,
-        format=files.description,
-        trainer_format=files.name,
-        compress=compress,
-    )
-    row_bytes = len(layers) * hidden * _dtype_size(dtype)
-    loop = LoopSettings(
-        output=output,
-        layers=layers,
-        hidden_size=hidden,
-        stored_dtype=stored,
-        validate=validate,
-        trainer_format=files.name,
-        compress=compress,
-        max_length=max_length,
-        regenerate=manifest.regenerate,
-        chat_template=chat_template,
-        budget_tokens=max(1, buffer_bytes // row_bytes),
-    )
-    result = ExtractResult(output=output, layers=layers)
-    job = ExtractJob(manifest, [], {}, None, loop, result)
-    previous = open_output(output, manifest, resume)
-    if previous is not None and previous.complete:
-        logger.info("%s: already complete (%s samples)", output, previous.samples)
-        result.already_complete = True
-        result.samples = previous.samples or 0
-        result.tokens = previous.tokens or 0
-        result.bytes = previous.bytes or 0
-        return job
-    if (output / COMPACTION).exists():
-        # Interrupted while closing gaps at the very end: only renames were left.
-        finish_compaction(output, manifest, result)
-        return job
-
-    samples, skipped = plan_samples(
-        conversations,
-        tokenizer,
-        max_length=max_length,
-        regenerate=regenerate,
-        num_shards=num_shards,
-        shard_index=shard_index,
-        chat_template=chat_template,
-    )
-    for skip in skipped:
-        logger.info("skipping conversation %d: %s", skip.index, skip.reason)
-    result.skipped.extend(skipped)
-    rows = scan_finished(output, samples, len(layers), hidden, files)
-    if rows:
-        logger.info(
-            "resuming: %d of %d samples already written", len(rows), len(samples)
-        )
-    job.samples, job.rows = samples, rows
-    job.todo = [s for s in samples if s.row not in rows]
-    return job
 
 
 def run_samples(
@@ -352,18 +93,7 @@ def run_samples(
     """Extract ``todo`` with ``engine`` (a `vllm.LLMEngine`): each sample is
     written (its `Row` added to ``rows``, counted in ``result``) or skipped (in
     ``result.skipped``); ``bar`` (a tqdm-like progress bar) advances per sample."""
-    run = _Run(
-        engine,
-        tokenizer,
-        result,
-        rows,
-        loop.writer(),
-        layers=loop.layers,
-        max_length=loop.max_length,
-        regenerate=loop.regenerate,
-        chat_template=loop.chat_template,
-        budget_tokens=loop.budget_tokens,
-    )
+    run = _Run(engine, tokenizer, loop, result, rows)
     run.run(todo, bar if bar is not None else NoBar())
 
 
@@ -410,26 +140,20 @@ class _Run:
         self,
         engine: Any,
         tokenizer: Any,
+        loop: LoopSettings,
         result: ExtractResult,
         rows: dict[int, Row],
-        writer: Writer,
-        *,
-        layers: list[int | str],
-        max_length: int,
-        regenerate: RegenerateSettings | None,
-        chat_template: str | None,
-        budget_tokens: int,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.result = result
         self.rows = rows
-        self.writer = writer
-        self.layers = layers
-        self.max_length = max_length
-        self.regenerate = regenerate
-        self.chat_template = chat_template
-        self.budget_tokens = budget_tokens
+        self.writer = loop.writer()
+        self.layers = list(loop.settings.layers)
+        self.max_length = loop.max_length
+        self.regenerate = loop.settings.regenerate
+        self.chat_template = loop.settings.chat_template
+        self.budget_tokens = loop.budget_tokens
         self.inflight: dict[str, _Request] = {}  # request id -> request
         self.outstanding: dict[int, int] = {}  # row -> tokens held
         self.outstanding_tokens = 0
@@ -504,6 +228,8 @@ class _Run:
         from vllm.sampling_params import RequestOutputKind
 
         settings = self.regenerate
+        ids: Sequence[int]
+        mask: Sequence[int]
         if settings is None:
             if self._prompt_params is None:
                 # The engine copies the parameters of each request it takes.
@@ -644,19 +370,6 @@ class _Run:
                     f"{self.result.written_tokens / elapsed:,.0f} tok/s", refresh=False
                 )
             self._release(done.row)
-
-
-# ----------------------------------------------------------------------------
-# Small helpers
-# ----------------------------------------------------------------------------
-
-
-def _model_fingerprint(model_config: Any) -> str:
-    """SHA-256 of the model's config.json (identifies the model for --resume)."""
-    model = Path(str(model_config.model))
-    config = model / "config.json"
-    data = config.read_bytes() if config.exists() else str(model_config.model).encode()
-    return hashlib.sha256(data).hexdigest()
 
 
 def _dtype_size(dtype: str) -> int:

@@ -1,0 +1,96 @@
+"""speculators' dataset files beside the hs files, built from the compact rows:
+the Arrow dataset (OUTPUT/data-*.arrow, dataset_info.json, state.json; HF
+datasets ``save_to_disk``, torch format: one row per sample, columns input_ids
+int64 [T], loss_mask int64 0/1 [T] with 1 on assistant tokens, seq_len int64 =
+T) and OUTPUT/token_freq.pt (``torch.save`` of {token id: count} over the
+loss-masked tokens: what speculators' prepare_data writes and train.py reads,
+with --draft-vocab-size, to build the draft vocabulary mapping).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from vllm_hs import fs
+from vllm_hs.extract.records import TOKEN_FREQ, Row
+
+__all__ = ["write_arrow", "write_token_freq"]
+
+_ARROW_CHUNK_ROWS = 4096
+
+
+def write_arrow(output: Path, rows: Sequence[Row]) -> None:
+    """The Arrow dataset (speculators' columns, int64, torch format), built from
+    the compact rows in chunks, saved into a staging directory in ``output`` and
+    moved into ``output`` file by file, state.json last."""
+    import numpy as np
+    import pyarrow as pa
+    from datasets import Dataset
+    from datasets.utils import (
+        are_progress_bars_disabled,
+        disable_progress_bars,
+        enable_progress_bars,
+    )
+
+    list_type = pa.list_(pa.int64())
+    id_chunks, mask_chunks = [], []
+    lengths = np.fromiter((len(ids) for ids, _ in rows), np.int64, len(rows))
+    for start in range(0, len(rows), _ARROW_CHUNK_ROWS):
+        part = rows[start : start + _ARROW_CHUNK_ROWS]
+        offsets = np.zeros(len(part) + 1, dtype=np.int64)
+        np.cumsum(lengths[start : start + len(part)], out=offsets[1:])
+        offsets_array = pa.array(offsets.astype(np.int32))  # < 2**31 per chunk
+        ids = np.concatenate([np.frombuffer(ids, np.int32) for ids, _ in part])
+        mask = np.concatenate([np.frombuffer(m, np.uint8) for _, m in part])
+        id_chunks.append(
+            pa.ListArray.from_arrays(offsets_array, pa.array(ids.astype(np.int64)))
+        )
+        mask_chunks.append(
+            pa.ListArray.from_arrays(offsets_array, pa.array(mask.astype(np.int64)))
+        )
+    table = pa.table(
+        {
+            "input_ids": pa.chunked_array(id_chunks, type=list_type),
+            "loss_mask": pa.chunked_array(mask_chunks, type=list_type),
+            "seq_len": pa.array(lengths, type=pa.int64()),
+        }
+    )
+    dataset = Dataset(table)
+    dataset.set_format(type="torch")
+    with fs.staging_dir(output, "arrow") as tmp:
+        bars_were_on = not are_progress_bars_disabled()
+        disable_progress_bars()
+        try:
+            dataset.save_to_disk(str(tmp))
+        finally:
+            if bars_were_on:
+                enable_progress_bars()
+        for old in output.glob("data-*.arrow"):
+            old.unlink()
+        names = sorted(p.name for p in tmp.iterdir())
+        for name in sorted(names, key=lambda n: n == "state.json"):
+            os.replace(tmp / name, output / name)
+
+
+def write_token_freq(output: Path, rows: Sequence[Row]) -> None:
+    """token_freq.pt: {token id: count} over the loss-masked tokens."""
+    import io
+
+    import numpy as np
+    import torch
+
+    counts: dict[int, int] = {}
+    for start in range(0, len(rows), _ARROW_CHUNK_ROWS):
+        part = rows[start : start + _ARROW_CHUNK_ROWS]
+        ids = np.concatenate([np.frombuffer(ids, np.int32) for ids, _ in part])
+        mask = np.concatenate([np.frombuffer(m, np.uint8) for _, m in part])
+        values, numbers = np.unique(ids[mask.astype(bool)], return_counts=True)
+        for value, number in zip(values.tolist(), numbers.tolist(), strict=True):
+            counts[value] = counts.get(value, 0) + number
+    # Saved from memory: torch.save names the zip's root folder after a target
+    # file, which would put the random temporary name into the bytes.
+    buffer = io.BytesIO()
+    torch.save(dict(sorted(counts.items())), buffer)
+    fs.atomic_write_bytes(output / TOKEN_FREQ, buffer.getvalue())
