@@ -156,6 +156,16 @@ def test_stop_token(main_engine, llama_fp32):
     check_output(out, llama_fp32, Expect(MAIN_RESOLVED), DTYPE, f"[{mode}] stop token")
 
 
+def first_new_trigram(text: str) -> str:
+    """A 3-character stop string that first occurs in the second half of
+    `text`: generation stops there, mid-way."""
+    return next(
+        text[i : i + 3]
+        for i in range(len(text) // 2, len(text) - 3)
+        if text[i : i + 3].strip() and text.find(text[i : i + 3]) == i
+    )
+
+
 def test_stop_string(main_engine, llama_fp32):
     """Rows are trimmed with the tokens when a stop string ends the text."""
     llm, mode = main_engine
@@ -163,11 +173,7 @@ def test_stop_string(main_engine, llama_fp32):
     (full,) = llm.generate([tokens_prompt(prompt)], greedy(20), use_tqdm=False)
     text = full.outputs[0].text
     assert len(text) > 12, f"degenerate text {text!r}"
-    stop = next(
-        text[i : i + 3]
-        for i in range(len(text) // 2, len(text) - 3)
-        if text[i : i + 3].strip() and text.find(text[i : i + 3]) == i
-    )
+    stop = first_new_trigram(text)
     (out,) = llm.generate(
         [tokens_prompt(prompt)],
         greedy(20, stop=[stop], hidden_states={}),
@@ -414,11 +420,7 @@ def test_positions_last_with_a_stop_string_and_n(main_engine, llama_fp32):
     prompt = seeded_prompt(31, 18)  # test_stop_string's prompt
     (full,) = llm.generate([tokens_prompt(prompt)], greedy(20), use_tqdm=False)
     text = full.outputs[0].text
-    stop = next(
-        text[i : i + 3]
-        for i in range(len(text) // 2, len(text) - 3)
-        if text[i : i + 3].strip() and text.find(text[i : i + 3]) == i
-    )
+    stop = first_new_trigram(text)
     (out,) = llm.generate(
         [tokens_prompt(prompt)],
         greedy(20, stop=[stop], hidden_states={"positions": "last"}),

@@ -59,6 +59,7 @@ ENGINE_MODULES = (
     "test_extract_cli.py",
     "test_extract_engine.py",
     "test_extract_ray.py",
+    "test_extract_regenerate.py",
 )
 
 
