@@ -31,6 +31,7 @@ msgpack)."""
 
 # Layer set of the main test engine and server; -1 resolves to L=4 of the tiny
 # model (hidden size 128, fp32).
+NUM_LAYERS = 4
 MAIN_LAYERS: list[int | str] = [0, 2, -1, "final_norm"]
 MAIN_RESOLVED: list[int | str] = [0, 2, 4, "final_norm"]
 HIDDEN = 128

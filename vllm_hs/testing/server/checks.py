@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from vllm_hs.hf_reference import assert_states_close, hf_sequence_states
-from vllm_hs.testing.harness import HIDDEN, MAIN_LAYERS, MAIN_RESOLVED
+from vllm_hs.layer_ids import resolve_layer_ids
+from vllm_hs.testing.harness import HIDDEN, MAIN_LAYERS, MAIN_RESOLVED, NUM_LAYERS
 from vllm_hs.testing.server.parsing import Collected, get
 
 DTYPE = torch.float32
@@ -24,7 +25,7 @@ def resolve(layers: list[int | str] | None) -> list[int | str]:
     """Layer ids as the server reports them (None = the whole server set)."""
     if layers is None:
         return list(MAIN_RESOLVED)
-    return [4 if k == -1 else k for k in layers]
+    return resolve_layer_ids(layers, NUM_LAYERS)
 
 
 @dataclass
