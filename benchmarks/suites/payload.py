@@ -194,8 +194,8 @@ def measure(args: PayloadSettings) -> list[Result]:
             str(tokens + 16),
             "--max-num-batched-tokens",
             "2048",
-            "--hidden-states-ref-dir",
-            str(ref_dir),
+            "--hidden-states-ref-store-config",
+            json.dumps({"directory": str(ref_dir)}),
             "--no-enable-prefix-caching",
         ],
     )

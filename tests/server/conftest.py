@@ -100,8 +100,10 @@ class _Servers:
             refs = (
                 *("--hidden-states-ref-ttl", str(REFS_TTL_S)),
                 *("--hidden-states-ref-max-bytes", str(REFS_MAX_BYTES)),
-                *("--hidden-states-ref-dir", str(self.log_dir / "refs")),
                 *("--api-key", REFS_API_KEY),
+                # Two API server processes: a reference made by one is
+                # answered by either.
+                *("--api-server-count", "2"),
             )
             extra = {"hs": probe, "spec": SPEC_ARGS, "refs": refs}.get(name, ())
             server = ServerProcess(
@@ -173,8 +175,8 @@ def spec_server(_servers: _Servers) -> ServerProcess:
 
 @pytest.fixture(scope="session")
 def refs_server(_servers: _Servers) -> ServerProcess:
-    """HS_CONFIG with references kept as files, REFS_TTL_S, REFS_MAX_BYTES and
-    REFS_API_KEY."""
+    """HS_CONFIG with two API server processes sharing the shm reference
+    store, REFS_TTL_S, REFS_MAX_BYTES and REFS_API_KEY."""
     return _servers.launch("refs").wait_ready()
 
 

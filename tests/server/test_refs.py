@@ -1,9 +1,9 @@
 """Hidden states by reference (`"encoding": "ref"`) against the real server.
 
-The hs server keeps references in memory; the refs server keeps them as files
-(the co-located path), with a short ttl, a small byte bound and an API key
-(tests/server/conftest.py). Rows fetched by reference are checked against HF
-like every other encoding."""
+Both servers keep references in the default shm store; the refs server runs
+two API server processes over it (`--api-server-count 2`), with a short ttl, a
+small byte bound and an API key (tests/server/conftest.py). Rows fetched by
+reference are checked against HF like every other encoding."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load
 
 from vllm_hs.client import RefFetcher
+from vllm_hs.hf_reference import assert_states_close, hf_hidden_states
 from vllm_hs.testing.harness import HIDDEN, MAIN_LAYERS, seeded_prompt
 from vllm_hs.testing.server import (
     REFS_API_KEY,
@@ -76,7 +77,8 @@ def test_rows_by_ref_equal_hf(oai, served_model, model_dir, stream):
         assert get(payload, "encoding") == "ref", payload
         assert get(payload, "data") is None, payload
         assert get(payload, "url").startswith(ROUTE) and get(payload, "bytes") > 0
-        assert get(payload, "path") is None  # the hs server keeps them in memory
+        assert os.path.isfile(get(payload, "path"))  # the default shm store
+        assert get(payload, "manifest") is None
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["full", "stream"])
@@ -129,6 +131,27 @@ def test_unknown_or_foreign_ids_are_404(http, hs_server, ref_id):
         assert "not held" in reply.json()["error"]["message"]
 
 
+def test_every_process_answers_for_every_reference(refs_server, model_dir):
+    """12 completions, each reference then fetched on a new connection (the
+    kernel spreads connections over both API server processes): every one is
+    found, and its rows equal HF's."""
+    fetch = RefFetcher(refs_server.url, REFS_API_KEY, local=False)
+    paths = set()
+    for seed in range(12):
+        prompt = seeded_prompt(100 + seed, 6)
+        with httpx.Client(base_url=refs_server.url, timeout=60) as http:
+            body = _body(model_dir, 6, 0, output=False, layers=[2, "final_norm"])
+            body["prompt"] = prompt
+            payload = _raw(http, body, REFS_API_KEY)["choices"][0][
+                "prompt_hidden_states"
+            ]
+        rows = fetch(payload)  # urllib: a new connection per request
+        expected = hf_hidden_states(model_dir, prompt, [2, "final_norm"])
+        assert_states_close(rows, expected, dtype=torch.float32, what=f"ref {seed}")
+        paths.add(os.path.dirname(payload["path"]))
+    assert len(paths) == 1  # one store for both processes
+
+
 def test_refs_need_the_api_key(refs_server, served_model):
     with httpx.Client(base_url=refs_server.url, timeout=60) as http:
         body = _body(served_model, 12, 2, output=False)
@@ -164,16 +187,19 @@ def test_refs_expire(refs_server, served_model):
 
 
 def test_byte_bound_drops_the_oldest(refs_server, served_model):
+    """The bound holds across the API server processes: each request on a
+    new connection."""
     authorized = {"Authorization": f"Bearer {REFS_API_KEY}"}
-    with httpx.Client(base_url=refs_server.url, timeout=60) as http:
-        payloads = []
-        while sum(p["bytes"] for p in payloads) <= REFS_MAX_BYTES:
-            body = _body(served_model, 24, 10 + len(payloads), output=False)
+    payloads = []
+    while sum(p["bytes"] for p in payloads) <= REFS_MAX_BYTES:
+        body = _body(served_model, 24, 10 + len(payloads), output=False)
+        with httpx.Client(base_url=refs_server.url, timeout=60) as http:
             reply = _raw(http, body, REFS_API_KEY)
-            payloads.append(reply["choices"][0]["prompt_hidden_states"])
-        statuses = [
-            http.get(p["url"], headers=authorized).status_code for p in payloads
-        ]
+        payloads.append(reply["choices"][0]["prompt_hidden_states"])
+    statuses = []
+    for p in payloads:
+        with httpx.Client(base_url=refs_server.url, timeout=60) as http:
+            statuses.append(http.get(p["url"], headers=authorized).status_code)
     assert statuses[0] == 404 and statuses[-1] == 200, statuses
     pairs = zip(payloads, statuses, strict=True)
     held = [p["bytes"] for p, status in pairs if status == 200]

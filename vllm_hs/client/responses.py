@@ -9,9 +9,12 @@ HTTP JSON (`dict`). The wire format (docs/server.md):
      "positions": [...]}  # only when the request set "positions"
 
 `base64` data is the raw little-endian bytes of the tensor in its dtype.
-`"encoding": "ref"` payloads carry `"url"` (and `"path"` where the server keeps
-references as files) instead of `"data"`: pass `server` (the base URL, or the
-`openai` client) and they are fetched, from the file when this host sees it.
+`"encoding": "ref"` payloads carry `"url"` (and `"path"` of the file on the
+server's host with its shm store, `"manifest"` of the object with its Mooncake
+store) instead of `"data"`: pass `server` (the base URL, the `openai` client,
+or a `RefFetcher`) and they are fetched: mapped from the file when this host
+sees it, read from the Mooncake store when the fetcher is given its config,
+else over HTTP.
 
     resp = client.completions.create(..., extra_body={"hidden_states": {}})
     states = from_response(resp)
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import base64
 import json
+import mmap
 import os
 import sys
 import urllib.error
@@ -61,8 +65,9 @@ def _get(obj: Any, name: str) -> Any:
 @dataclass(frozen=True)
 class RefFetcher:
     """Fetches `"encoding": "ref"` payloads: the safetensors file at the
-    payload's `path` when this host sees it (a co-located server keeping its
-    references in a shared directory), else `GET <server><url>`."""
+    payload's `path` when this host sees it (the server's shm store), mapped
+    without a copy; the Mooncake object its `manifest` names, when `mooncake`
+    configures a client of that store (any node); else `GET <server><url>`."""
 
     server: str
     """The server's base URL (`http://host:8000` or `.../v1`)."""
@@ -70,6 +75,13 @@ class RefFetcher:
     local: bool = True
     """Read `path` when it exists here."""
     timeout_s: float = 600.0
+    mooncake: Mapping[str, Any] | None = None
+    """hs-connectors' `MooncakeStoreConfig` keys (`master_server_address`,
+    `metadata_server`, ...) of the server's Mooncake store, to read its
+    references from the store rather than over HTTP."""
+    _mooncake_store: list[Any] = field(
+        default_factory=list, init=False, repr=False, compare=False
+    )
 
     @classmethod
     def of(cls, server: Any, api_key: str | None = None) -> RefFetcher:
@@ -82,17 +94,20 @@ class RefFetcher:
         return cls(str(server), api_key)
 
     def __call__(self, payload: Any) -> torch.Tensor:
-        from safetensors.torch import load, load_file
+        from safetensors.torch import load
 
         path = _get(payload, "path")
         size = _get(payload, "bytes")
+        manifest = _get(payload, "manifest")
         if (
             self.local
             and path
             and os.path.isfile(path)
             and os.path.getsize(path) == size
         ):
-            tensors = load_file(path)
+            tensors = map_safetensors(path)
+        elif manifest is not None and self.mooncake is not None:
+            tensors = self._mooncake().get_sample(dict(manifest))
         else:
             url = str(_get(payload, "url"))
             with self._open(url) as reply:
@@ -108,6 +123,18 @@ class RefFetcher:
         """Drop the server's reference at `url` (references also expire)."""
         self._open(url, "DELETE").close()
 
+    def _mooncake(self) -> Any:
+        """hs-connectors' reader of the server's Mooncake store (made once)."""
+        if not self._mooncake_store:
+            from hs_connectors.mooncake_store import (
+                MooncakeHiddenStatesStore,
+                MooncakeStoreConfig,
+            )
+
+            config = MooncakeStoreConfig.from_dict(dict(self.mooncake or {}))
+            self._mooncake_store.append(MooncakeHiddenStatesStore(config).setup())
+        return self._mooncake_store[0]
+
     def _open(self, url: str, method: str = "GET") -> Any:
         """The server's reply to `method` on `url` (relative to `server`),
         with the API key; an HTTP error raises ValueError with its body."""
@@ -122,6 +149,47 @@ class RefFetcher:
                 f"hidden states at {full}: HTTP {error.code}: "
                 f"{error.read().decode(errors='replace')}"
             ) from error
+
+
+def map_safetensors(path: str) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file, mapped (copy-on-write) instead of
+    read: no copy of the data, and the mapping outlives the file's deletion."""
+    with open(path, "rb") as file:
+        header_len = int.from_bytes(file.read(8), "little")
+        header = json.loads(file.read(header_len))
+        mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
+    start = 8 + header_len
+    tensors = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _SAFETENSORS_DTYPES[entry["dtype"]]
+        begin, end = entry["data_offsets"]
+        shape = [int(n) for n in entry["shape"]]
+        if end == begin:
+            tensors[name] = torch.empty(shape, dtype=dtype)
+            continue
+        data = torch.frombuffer(
+            mapped, dtype=torch.uint8, offset=start + begin, count=end - begin
+        )
+        if sys.byteorder != "little" and dtype.itemsize > 1:
+            data = data.reshape(-1, dtype.itemsize).flip(1).reshape(-1)
+        tensors[name] = data.view(dtype).reshape(shape)
+    return tensors
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+}
 
 
 def decode(payload: Any, fetch: RefFetcher | None = None) -> torch.Tensor:

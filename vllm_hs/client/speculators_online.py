@@ -14,15 +14,18 @@ a server started with
 puts a reference to each request's prompt states into ``kv_transfer_params``
 (``handle``, ``hidden_states`` payload with ``"encoding": "ref"``,
 ``token_ids``). The backend fetches the rows from the server
-(``--vllm-endpoint``; or reads the file when the server keeps references in a
-directory this host sees, ``--hidden-states-ref-dir``) and deletes the
-reference once speculators has checked the sample: no shared file system
-needed, nothing left behind. Columns are the server's layers in order;
-speculators reads the last as the verifier's last hidden state and the others
-as aux layers, as in
-`vllm-hs extract`'s output. ``--hidden-states-path DIR`` (optional) also reads
-already extracted ``hs_{i}.safetensors`` files there first, as the file
-backend does.
+(``--vllm-endpoint``), maps the file when the server runs on this host (its
+default shm store), or, with ``--vllm-hs-read-mooncake``, reads them from the
+server's Mooncake store (``--hidden-states-ref-store mooncake``; the store is
+set with speculators' ``--mooncake-*`` options) on any node; then it deletes
+the reference once speculators has checked the sample: no shared file system
+needed, nothing left behind. A server with the Mooncake store also answers in
+hs-connectors' transfer manifest, so speculators' own ``--hidden-states-backend
+mooncake`` reads its responses as they are. Columns are the server's layers
+in order; speculators reads the last as the verifier's last hidden state and
+the others as aux layers, as in `vllm-hs extract`'s output.
+``--hidden-states-path DIR`` (optional) also reads already extracted
+``hs_{i}.safetensors`` files there first, as the file backend does.
 
 The backend registers itself when this module is imported, which has to
 happen before speculators builds its command line; run training through
@@ -55,8 +58,13 @@ class RefTransfer(HiddenStatesTransfer):
     """Reads the states that the ``kv_transfer_params`` of a patched server's
     response refer to (and, with ``cache_path``, extracted hs files first)."""
 
-    def __init__(self, endpoint: str, cache_path: Path | None = None) -> None:
-        self.fetch = RefFetcher(endpoint)
+    def __init__(
+        self,
+        endpoint: str,
+        cache_path: Path | None = None,
+        mooncake: dict[str, Any] | None = None,
+    ) -> None:
+        self.fetch = RefFetcher(endpoint, mooncake=mooncake)
         self.files = FileTransfer(cache_path) if cache_path is not None else None
         self._urls: dict[str, str] = {}  # handle -> reference url, until deleted
 
@@ -111,6 +119,15 @@ class VllmHsBackend(HiddenStatesBackend):
     @staticmethod
     def add_train_args(parser: argparse.ArgumentParser) -> None:
         _add_path_argument(parser)
+        parser.add_argument(
+            "--vllm-hs-read-mooncake",
+            action="store_true",
+            help=(
+                "vllm-hs backend: read the states from the server's Mooncake "
+                "store (--hidden-states-ref-store mooncake; set it with the "
+                "--mooncake-* options) instead of over HTTP."
+            ),
+        )
 
     @staticmethod
     def add_launch_args(parser: argparse.ArgumentParser) -> None:
@@ -120,12 +137,26 @@ class VllmHsBackend(HiddenStatesBackend):
     def from_train_args(args: argparse.Namespace, data_path: str) -> RefTransfer:
         path = getattr(args, "hidden_states_path", None)
         endpoint = getattr(args, "vllm_endpoint", None) or "http://localhost:8000/v1"
-        return RefTransfer(endpoint, Path(path) if path else None)
+        mooncake = None
+        if getattr(args, "vllm_hs_read_mooncake", False):
+            mooncake = mooncake_config(args)
+        return RefTransfer(endpoint, Path(path) if path else None, mooncake)
 
     @staticmethod
     def build_kv_transfer_config(args: argparse.Namespace) -> dict[str, Any]:
         """None needed: the states come from `--hidden-states-config`."""
         return {}
+
+
+def mooncake_config(args: argparse.Namespace) -> dict[str, Any]:
+    """hs-connectors' `MooncakeStoreConfig` of speculators' --mooncake-* options,
+    as its own Mooncake backend builds it."""
+    import dataclasses
+
+    from hs_connectors.transfer import MooncakeBackend
+
+    store = MooncakeBackend.from_train_args(args, "").store
+    return dataclasses.asdict(store.config)
 
 
 def main() -> None:

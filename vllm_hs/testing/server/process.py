@@ -18,8 +18,8 @@ from typing import Any
 from vllm_hs.testing.harness import CAP_BYTES, MAIN_LAYERS, poll_until_empty
 
 HS_CONFIG: dict[str, Any] = {"layers": MAIN_LAYERS, "max_bytes_per_request": CAP_BYTES}
-#: The refs test server (tests/server): references as files, a short ttl, a
-#: small byte bound and an API key.
+#: The refs test server (tests/server): two API server processes over the shm
+#: reference store, a short ttl, a small byte bound and an API key.
 REFS_API_KEY = "refs-key"
 REFS_TTL_S = 8
 REFS_MAX_BYTES = 160 << 10
