@@ -3,7 +3,7 @@
 
 Engine suites share `EngineSettings` (the batch, model, rounds and engine
 options) and run each measurement in a `benchmarks.workload` process; the
-others (extraction, storage, prefix_store, ray_extract, payload,
+others (extraction, storage, prefix_store, ray_extract, payload, ref_store,
 response_encoding, acceptance) have settings of their own. What each figure
 compares is in its module's text and in its result file's description.
 """
@@ -22,6 +22,7 @@ from benchmarks.suites import (
     payload,
     prefix_store,
     ray_extract,
+    ref_store,
     response_encoding,
     speculation,
     storage,
@@ -154,6 +155,14 @@ SUITES: dict[str, Suite] = {
             payload.WAYS,
             payload.PayloadSettings,
             payload.measure,
+        ),
+        Suite(
+            "ref_store",
+            "references from the server's store to a reader process, per store "
+            "(shm, Mooncake), against memcpy",
+            ref_store.WAYS,
+            ref_store.RefStoreSettings,
+            ref_store.measure,
         ),
         Suite(
             "response_encoding",

@@ -15,6 +15,7 @@ from vllm_hs.client.responses import (
     decode,
     from_response,
     from_stream,
+    map_safetensors,
     sse_events,
 )
 
@@ -24,5 +25,6 @@ __all__ = [
     "decode",
     "from_response",
     "from_stream",
+    "map_safetensors",
     "sse_events",
 ]

@@ -48,6 +48,7 @@ __all__ = [
     "decode",
     "from_response",
     "from_stream",
+    "map_safetensors",
     "sse_events",
 ]
 

@@ -1,0 +1,241 @@
+"""Hidden-state references from the server's store to a reader, per store,
+against memcpy in the same run.
+
+A reference leaves the server through its store: the API server process that
+built the response puts the rows there, and the reader (a trainer) takes them
+out. Each round runs every way once, in an order that rotates from round to
+round, on the same ``--size-mib`` MiB of rows (4 layers of an 8B-wide model,
+bf16):
+
+* ``memcpy``: a copy of the rows in this process (the reference rate);
+* ``shm``: the patched install's `ShmRefStore.put` (the file written in its
+  tmpfs directory, as `vllm serve` does) and a reader in another process that
+  maps the file (`vllm_hs.client.map_safetensors`) and copies the rows out;
+* ``mooncake``: `MooncakeRefStore.put` into a real `mooncake_master` on
+  loopback, and the reader getting the object with hs-connectors'
+  `MooncakeHiddenStatesStore.get_sample(manifest)`, as a trainer on another
+  node does (over TCP here; RDMA where the hosts have it).
+
+A way's rate is the rows' bytes over the time from the start of the put to the
+reader holding its copy. The figures: each store's rate over memcpy's in the
+same round (aim for shm: 0.5). How long `/health` answers while a 256 MiB
+reference is made through the whole server is the `payload` suite's
+`payload_health`.
+
+    python -m benchmarks run ref_store [--size-mib 256] [--rounds 5] [--quick]
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.protocol import option
+from benchmarks.result import Result, summarize
+from benchmarks.rounds import run_rounds
+
+WAYS = ("memcpy", "shm", "mooncake")
+LAYERS = 4
+HIDDEN = 4096
+SHM_AIM = 0.5
+
+READER = textwrap.dedent(
+    """
+    import json, sys, time
+    from vllm_hs.client import map_safetensors
+    config = json.loads(sys.argv[1])
+    store = None
+    if config:
+        from hs_connectors.mooncake_store import (
+            MooncakeHiddenStatesStore, MooncakeStoreConfig)
+        store = MooncakeHiddenStatesStore(
+            MooncakeStoreConfig.from_dict(config)).setup()
+    print("ready", flush=True)
+    for line in sys.stdin:
+        ask = json.loads(line)
+        if "path" in ask:
+            rows = map_safetensors(ask["path"])["hidden_states"].clone()
+        else:
+            rows = store.get_sample(ask["manifest"])["hidden_states"]
+        print(rows.numel() * rows.element_size(), flush=True)
+    """
+)
+
+
+@dataclass
+class RefStoreSettings:
+    size_mib: int = option(256, "MiB of rows per reference")
+    rounds: int = option(5, "")
+    quick: bool = option(False, "a smoke run: 16 MiB, 2 rounds")
+
+    def __post_init__(self) -> None:
+        if self.quick:
+            self.size_mib = min(self.size_mib, 16)
+            self.rounds = min(self.rounds, 2)
+
+
+class _Reader:
+    """A reader process: asked for a reference, answers once it holds a copy."""
+
+    def __init__(self, mooncake: dict[str, Any] | None) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", READER, json.dumps(mooncake or {})],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        if self.proc.stdout.readline().strip() != "ready":
+            raise RuntimeError("the reader process did not start")
+
+    def read(self, ask: dict[str, Any]) -> int:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(ask) + "\n")
+        self.proc.stdin.flush()
+        return int(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def _timed(action: Callable[[], int]) -> Callable[[], dict[str, Any]]:
+    def timed() -> dict[str, Any]:
+        start = time.perf_counter()
+        nbytes = action()
+        seconds = time.perf_counter() - start
+        return {
+            "seconds": seconds,
+            "bytes": nbytes,
+            "mib_per_s": nbytes / seconds / 2**20,
+        }
+
+    return timed
+
+
+def measure(args: RefStoreSettings) -> list[Result]:
+    import torch
+    from vllm.entrypoints.openai import hidden_states_refs as refs
+
+    from vllm_hs.testing.mooncake import MooncakeMaster, unavailable_reason
+
+    nbytes = args.size_mib << 20
+    rows = torch.randn(nbytes // (LAYERS * HIDDEN * 2), LAYERS, HIDDEN).to(
+        torch.bfloat16
+    )
+    layers: list[int | str] = list(range(LAYERS))
+    work = Path(tempfile.mkdtemp(prefix="hs-ref-store-"))
+    shm = refs.ShmRefStore(600, 4 * nbytes)  # a new /dev/shm directory
+    master = None
+    mooncake = None
+    ways: dict[str, Callable[[], dict[str, Any]]] = {
+        "memcpy": _timed(lambda: rows.clone().numel() * 2),
+    }
+    reason = unavailable_reason()
+    if reason is None:
+        master = MooncakeMaster(work / "master.log").start()
+        segment = 3 * nbytes + (64 << 20)
+        mooncake = refs.make_ref_store(
+            "mooncake", master.store_config(segment), 600, 2 * nbytes
+        )
+        mooncake_reader = _Reader(
+            master.store_config(0) | {"local_buffer_size": segment}
+        )
+    else:
+        print(f"ref_store: the mooncake way is left out: {reason}", flush=True)
+    shm_reader = _Reader(None)
+
+    def via_shm() -> int:
+        ref = shm.put(rows, layers)
+        read = shm_reader.read({"path": ref.path})
+        shm.delete(ref.ref_id)
+        return read
+
+    def via_mooncake() -> int:
+        assert mooncake is not None
+        ref = mooncake.put(rows, layers)
+        read = mooncake_reader.read({"manifest": ref.manifest})
+        mooncake.delete(ref.ref_id)
+        return read
+
+    ways["shm"] = _timed(via_shm)
+    if mooncake is not None:
+        ways["mooncake"] = _timed(via_mooncake)
+    try:
+        for way in ways.values():  # warm-up: buffers, first mappings
+            way()
+        rounds = []
+        for r, row in enumerate(run_rounds(args.rounds, ways)):
+            rounds.append({"order": list(row), **row})
+            print(
+                f"round {r}: "
+                + ", ".join(f"{w} {e['mib_per_s']:.0f} MiB/s" for w, e in row.items()),
+                flush=True,
+            )
+    finally:
+        shm_reader.close()
+        shm.close()
+        if mooncake is not None:
+            mooncake_reader.close()
+            mooncake.close()
+        if master is not None:
+            master.stop()
+    for row in rounds:
+        for way in ways:
+            if way != "memcpy":
+                row[f"{way}_over_memcpy"] = (
+                    row[way]["mib_per_s"] / row["memcpy"]["mib_per_s"]
+                )
+    settings = {
+        "size_mib": args.size_mib,
+        "rows": list(rows.shape),
+        "dtype": "bfloat16",
+        "rounds": args.rounds,
+        "shm_directory": "tmpfs (/dev/shm)",
+        "mooncake": "mooncake-transfer-engine-non-cuda, TCP on loopback, master "
+        "and both clients on this host",
+    }
+    results = [
+        Result(
+            suite="ref_store_shm",
+            description=f"{args.size_mib} MiB reference through the shm store: "
+            "put by the server's store, mapped and copied out by a reader process; "
+            "rate over memcpy of the same rows in the same round",
+            settings=settings,
+            rounds=rounds,
+            summary=summarize(
+                [row["shm_over_memcpy"] for row in rounds],
+                metric="shm store rate / memcpy",
+                higher_is_better=True,
+                aim=SHM_AIM,
+            ),
+        )
+    ]
+    if mooncake is not None:
+        results.append(
+            Result(
+                suite="ref_store_mooncake",
+                description=f"{args.size_mib} MiB reference through a Mooncake "
+                "Store (TCP on loopback): put by the server's store, read by "
+                "hs-connectors' reader in another process; rate over memcpy of the "
+                "same rows in the same round",
+                settings=settings,
+                rounds=rounds,
+                summary=summarize(
+                    [row["mooncake_over_memcpy"] for row in rounds],
+                    metric="Mooncake store rate / memcpy",
+                    higher_is_better=True,
+                    aim=None,
+                ),
+            )
+        )
+    return results
