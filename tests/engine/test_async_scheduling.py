@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_hs.hf_reference import hf_greedy
+from vllm_hs.hf_reference import assert_states_close, hf_greedy, hf_hidden_states
+from vllm_hs.models.tiny import build_tiny_model, seeded_prompt
 from vllm_hs.testing.harness import (
     MODES,
     NGRAM,
@@ -21,6 +22,7 @@ from vllm_hs.testing.harness import (
     greedy,
     repeated_prompt,
     run_cases,
+    tokens_prompt,
 )
 
 RESOLVED = [0, 2, 4, "final_norm"]
@@ -93,3 +95,40 @@ def test_rows_equal_hf(async_engine, llama_fp32):
         drafts = engine_metric(llm, draft_metric) - drafts_before
         accepted = engine_metric(llm, accepted_metric) - accepted_before
         assert 0 < accepted < drafts, (accepted, drafts)
+
+
+def test_weight_reload_and_cache_reset_serve_only_new_rows(async_engine, llama_fp32):
+    """An RL loop: prompt rows published to the AuxOutput store under the old
+    weights, new weights of the same shapes loaded in place, the prefix cache
+    reset. The same prompt then gives rows of the new weights only: computed
+    (the reset emptied the cache), then from a prefix-cache hit served by the
+    store's new generation. Last in this module: it loads the old weights back."""
+    llm, what, _ = async_engine
+    other = str(build_tiny_model("llama", "float32", seed=7))
+    prompt = seeded_prompt(900, 80)  # two full 32-token blocks publish
+    layers = [0, 2, 4, "final_norm"]
+
+    def prompt_rows(model_dir: str, label: str, cached: bool) -> None:
+        [out] = llm.generate(
+            [tokens_prompt(prompt)], greedy(2, hidden_states={}), use_tqdm=False
+        )
+        assert (out.num_cached_tokens > 0) == cached, (what, label)
+        expected = hf_hidden_states(model_dir, prompt, layers)
+        assert_states_close(
+            out.prompt_hidden_states,
+            expected,
+            dtype=torch.float32,
+            what=f"[{what}] {label}",
+        )
+
+    assert llm.reset_prefix_cache()
+    prompt_rows(llama_fp32, "old weights", cached=False)
+    prompt_rows(llama_fp32, "old weights, hit", cached=True)
+    try:
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": other})
+        assert llm.reset_prefix_cache()
+        prompt_rows(other, "new weights", cached=False)
+        prompt_rows(other, "new weights, hit", cached=True)
+    finally:
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": llama_fp32})
+        assert llm.reset_prefix_cache()
