@@ -27,6 +27,7 @@ reference is made through the whole server is the `payload` suite's
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -135,42 +136,42 @@ def measure(args: RefStoreSettings) -> list[Result]:
     layers: list[int | str] = list(range(LAYERS))
     work = Path(tempfile.mkdtemp(prefix="hs-ref-store-"))
     shm = refs.ShmRefStore(600, 4 * nbytes)  # a new /dev/shm directory
-    master = None
-    mooncake = None
     ways: dict[str, Callable[[], dict[str, Any]]] = {
         "memcpy": _timed(lambda: rows.clone().numel() * 2),
     }
     reason = unavailable_reason()
-    if reason is None:
-        master = MooncakeMaster(work / "master.log").start()
-        segment = 3 * nbytes + (64 << 20)
-        mooncake = refs.make_ref_store(
-            "mooncake", master.store_config(segment), 600, 2 * nbytes
-        )
-        mooncake_reader = _Reader(
-            master.store_config(0) | {"local_buffer_size": segment}
-        )
-    else:
+    if reason is not None:
         print(f"ref_store: the mooncake way is left out: {reason}", flush=True)
-    shm_reader = _Reader(None)
+    with contextlib.ExitStack() as stack:
+        stack.callback(shm.close)
+        shm_reader = _Reader(None)
+        stack.callback(shm_reader.close)
 
-    def via_shm() -> int:
-        ref = shm.put(rows, layers)
-        read = shm_reader.read({"path": ref.path})
-        shm.delete(ref.ref_id)
-        return read
+        def via_shm() -> int:
+            ref = shm.put(rows, layers)
+            read = shm_reader.read({"path": ref.path})
+            shm.delete(ref.ref_id)
+            return read
 
-    def via_mooncake() -> int:
-        assert mooncake is not None
-        ref = mooncake.put(rows, layers)
-        read = mooncake_reader.read({"manifest": ref.manifest})
-        mooncake.delete(ref.ref_id)
-        return read
+        ways["shm"] = _timed(via_shm)
+        if reason is None:
+            master = stack.enter_context(MooncakeMaster(work / "master.log"))
+            segment = 3 * nbytes + (64 << 20)
+            mooncake = refs.make_ref_store(
+                "mooncake", master.store_config(segment), 600, 2 * nbytes
+            )
+            stack.callback(mooncake.close)
+            reader_config = master.store_config(0) | {"local_buffer_size": segment}
+            mooncake_reader = _Reader(reader_config)
+            stack.callback(mooncake_reader.close)
 
-    ways["shm"] = _timed(via_shm)
-    if mooncake is not None:
-        ways["mooncake"] = _timed(via_mooncake)
-    try:
+            def via_mooncake() -> int:
+                ref = mooncake.put(rows, layers)
+                read = mooncake_reader.read({"manifest": ref.manifest})
+                mooncake.delete(ref.ref_id)
+                return read
+
+            ways["mooncake"] = _timed(via_mooncake)
         for way in ways.values():  # warm-up: buffers, first mappings
             way()
         rounds = []
@@ -181,14 +182,6 @@ def measure(args: RefStoreSettings) -> list[Result]:
                 + ", ".join(f"{w} {e['mib_per_s']:.0f} MiB/s" for w, e in row.items()),
                 flush=True,
             )
-    finally:
-        shm_reader.close()
-        shm.close()
-        if mooncake is not None:
-            mooncake_reader.close()
-            mooncake.close()
-        if master is not None:
-            master.stop()
     for row in rounds:
         for way in ways:
             if way != "memcpy":
@@ -220,7 +213,7 @@ def measure(args: RefStoreSettings) -> list[Result]:
             ),
         )
     ]
-    if mooncake is not None:
+    if "mooncake" in ways:
         results.append(
             Result(
                 suite="ref_store_mooncake",
