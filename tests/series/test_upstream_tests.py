@@ -113,3 +113,13 @@ def test_a_breaking_series_shows_regressions(tmp_path: Path, sdist) -> None:
         t.startswith("tests/test_sampling_params.py::") for t in comparison.regressions
     )
     assert "Regressions (pass unpatched, not patched): 0" not in comparison.report()
+
+
+def test_a_tree_without_the_asked_files_runs_nothing(tmp_path: Path) -> None:
+    """Files only the series adds: the unpatched tree runs no pytest at all
+    (pytest given no path would collect vLLM's whole suite)."""
+    from vllm_hs.series.upstream_tests import _run_pytest
+
+    run = _run_pytest("unpatched", tmp_path / "no-tree", [], tmp_path, tmp_path, 1)
+    assert run.name == "unpatched" and run.outcomes == {} and run.exit_code == 0
+    assert not (tmp_path / "unpatched.xml").exists()
