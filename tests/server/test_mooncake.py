@@ -7,8 +7,9 @@ Rows are read back three ways and checked against HF: the server's GET route
 (either process), hs-connectors' own Mooncake reader given the response's
 manifest, and speculators' online dataset with its stock `mooncake` backend on
 the `kv_transfer_params` the server answers. The last test kills the master:
-the requests it affects fail clearly and the server keeps serving. Skipped
-with one line where Mooncake is not installed or its master cannot start."""
+the requests it affects fail clearly and the server keeps serving. The tests that need the master skip with one line
+where Mooncake is not installed or its master cannot start; bad store options
+are refused before the engine starts, Mooncake or not."""
 
 from __future__ import annotations
 
@@ -66,6 +67,51 @@ def server(
         yield server.wait_ready()
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize(
+    ("store_args", "expected"),
+    [
+        (
+            ("--hidden-states-ref-store", "mooncake"),
+            ("cannot reach the Mooncake master at 127.0.0.1:1", "needs Mooncake"),
+        ),
+        (("--hidden-states-ref-store", "disk"), ("invalid choice: 'disk'",)),
+        (
+            ("--hidden-states-ref-store-config", '{"dir": "/tmp"}'),
+            ("it takes 'directory'",),
+        ),
+    ],
+    ids=["unreachable-master", "unknown-store", "unknown-key"],
+)
+def test_a_bad_store_is_refused_before_the_engine_starts(
+    model_dir: str, tmp_path: Path, store_args: tuple[str, ...], expected
+):
+    """Refused with a line naming the option, in seconds: no model is loaded."""
+    import json
+    import subprocess
+
+    server = ServerProcess(
+        model_dir,
+        tmp_path / "serve.log",
+        {"layers": LAYERS},
+        extra_args=(
+            *store_args,
+            *(
+                (
+                    "--hidden-states-ref-store-config",
+                    json.dumps({"master_server_address": "127.0.0.1:1"}),
+                )
+                if "mooncake" in store_args
+                else ()
+            ),
+        ),
+    )
+    done = subprocess.run(server.cmd, capture_output=True, text=True, timeout=180)
+    assert done.returncode != 0
+    output = done.stdout + done.stderr
+    assert any(e in output for e in expected), output[-3000:]
+    assert "Loading weights" not in output and "EngineCore" not in output
 
 
 def _complete(server: ServerProcess, prompt: list[int], **hs) -> dict:
