@@ -130,6 +130,25 @@ def _timed(action: Callable[[], int]) -> Callable[[], dict[str, Any]]:
     return timed
 
 
+def _through(
+    store: Any,
+    reader: _Reader,
+    rows: Any,
+    layers: list[int | str],
+    ask: Callable[[Any], dict[str, Any]],
+) -> Callable[[], int]:
+    """One reference of `rows` put into `store`, read by `reader` (asked
+    with `ask(reference)`), then deleted: the bytes read."""
+
+    def way() -> int:
+        ref = store.put(rows, layers)
+        read = reader.read(ask(ref))
+        store.delete(ref.ref_id)
+        return read
+
+    return way
+
+
 def measure(args: RefStoreSettings) -> list[Result]:
     import torch
     from vllm.entrypoints.openai import hidden_states_refs as refs
@@ -158,13 +177,9 @@ def measure(args: RefStoreSettings) -> list[Result]:
         shm_reader = _Reader(None)
         stack.callback(shm_reader.close)
 
-        def via_shm() -> int:
-            ref = shm.put(rows, layers)
-            read = shm_reader.read({"path": ref.path})
-            shm.delete(ref.ref_id)
-            return read
-
-        ways["shm"] = _timed(via_shm)
+        ways["shm"] = _timed(
+            _through(shm, shm_reader, rows, layers, lambda ref: {"path": ref.path})
+        )
         if reason is None:
             master = stack.enter_context(MooncakeMaster(work / "master.log"))
             segment = 3 * nbytes + (64 << 20)
@@ -175,14 +190,15 @@ def measure(args: RefStoreSettings) -> list[Result]:
             reader_config = master.store_config(0) | {"local_buffer_size": segment}
             mooncake_reader = _Reader(reader_config)
             stack.callback(mooncake_reader.close)
-
-            def via_mooncake() -> int:
-                ref = mooncake.put(rows, layers)
-                read = mooncake_reader.read({"manifest": ref.manifest})
-                mooncake.delete(ref.ref_id)
-                return read
-
-            ways["mooncake"] = _timed(via_mooncake)
+            ways["mooncake"] = _timed(
+                _through(
+                    mooncake,
+                    mooncake_reader,
+                    rows,
+                    layers,
+                    lambda ref: {"manifest": ref.manifest},
+                )
+            )
         for way in ways.values():  # warm-up: buffers, first mappings
             way()
         rounds = []

@@ -7,9 +7,10 @@ Rows are read back three ways and checked against HF: the server's GET route
 (either process), hs-connectors' own Mooncake reader given the response's
 manifest, and speculators' online dataset with its stock `mooncake` backend on
 the `kv_transfer_params` the server answers. The last test kills the master:
-the requests it affects fail clearly and the server keeps serving. The tests that need the master skip with one line
-where Mooncake is not installed or its master cannot start; bad store options
-are refused before the engine starts, Mooncake or not."""
+the requests it affects fail clearly and the server keeps serving. The tests
+that need the master skip with one line where Mooncake is not installed or its
+master cannot start; bad store options are refused before the engine starts,
+Mooncake or not."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import torch
 from vllm_hs.client import RefFetcher
 from vllm_hs.hf_reference import assert_states_close, hf_hidden_states
 from vllm_hs.models.tiny import seeded_prompt
+from vllm_hs.testing.extract_output import assert_speculators_item_equals_hf
 from vllm_hs.testing.mooncake import MooncakeMaster, unavailable_reason
 from vllm_hs.testing.server import ServerProcess
 
@@ -206,20 +208,7 @@ def test_speculators_mooncake_backend_reads_the_server(
     )
     for i, (ids, _mask) in enumerate(rendered):
         item = dataset[i]
-        assert item["input_ids"].tolist() == ids
-        expected = hf_hidden_states(model_dir, ids, LAYERS)
-        assert_states_close(
-            item["hidden_states"],
-            expected[:, :3].reshape(len(ids), 3 * HIDDEN),
-            dtype=torch.float32,
-            what=f"sample {i} aux layers",
-        )
-        assert_states_close(
-            item["verifier_last_hidden_states"],
-            expected[:, 3],
-            dtype=torch.float32,
-            what=f"sample {i} verifier last",
-        )
+        assert_speculators_item_equals_hf(item, model_dir, ids, f"sample {i}")
     assert not list((tmp_path / HS_DIR).iterdir()), "states went through files"
 
 

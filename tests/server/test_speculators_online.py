@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from vllm_hs.hf_reference import assert_states_close, hf_hidden_states
+from vllm_hs.testing.extract_output import assert_speculators_item_equals_hf
 
 NUM = 4
 HIDDEN = 128
@@ -69,21 +70,8 @@ def test_dataset_generates_hf_rows_from_the_server(
     )
     for i, (ids, mask) in enumerate(rendered):
         item = dataset[i]
-        assert item["input_ids"].tolist() == ids
         assert item["loss_mask"].tolist() == mask
-        expected = hf_hidden_states(model_dir, ids, [1, 2, 3, 4])
-        assert_states_close(
-            item["hidden_states"],
-            expected[:, :3].reshape(len(ids), 3 * HIDDEN),
-            dtype=torch.float32,
-            what=f"sample {i} aux layers",
-        )
-        assert_states_close(
-            item["verifier_last_hidden_states"],
-            expected[:, 3],
-            dtype=torch.float32,
-            what=f"sample {i} verifier last",
-        )
+        assert_speculators_item_equals_hf(item, model_dir, ids, f"sample {i}")
     assert not list((tmp_path / HS_DIR).iterdir()), "states went through files"
     # speculators deleted each sample's reference once it had checked it.
     assert transfer._urls == {}

@@ -30,3 +30,28 @@ def hs_metadata(path: Path) -> dict[str, Any]:
 
     with safe_open(str(path), framework="pt") as f:
         return json.loads(f.metadata()["vllm_hs"])
+
+
+def assert_speculators_item_equals_hf(
+    item: dict[str, torch.Tensor], model_dir: str, ids: list[int], what: str
+) -> None:
+    """One item of speculators' dataset, generated online from a patched
+    server whose layers are the tiny model's [1, 2, 3, 4]: its aux layers and
+    verifier's last state equal HF's rows of `ids`."""
+    from vllm_hs.hf_reference import assert_states_close, hf_hidden_states
+
+    assert item["input_ids"].tolist() == ids, what
+    expected = hf_hidden_states(model_dir, ids, [1, 2, 3, 4])
+    hidden = expected.shape[-1]
+    assert_states_close(
+        item["hidden_states"],
+        expected[:, :3].reshape(len(ids), 3 * hidden),
+        dtype=torch.float32,
+        what=f"{what} aux layers",
+    )
+    assert_states_close(
+        item["verifier_last_hidden_states"],
+        expected[:, 3],
+        dtype=torch.float32,
+        what=f"{what} verifier last",
+    )
