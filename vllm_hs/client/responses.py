@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import base64
 import json
-import mmap
 import os
 import sys
 import urllib.error
@@ -41,6 +40,8 @@ from typing import Any
 from urllib.parse import urljoin
 
 import torch
+
+from vllm_hs.extract.safetensors_file import map_safetensors
 
 __all__ = [
     "RefFetcher",
@@ -150,47 +151,6 @@ class RefFetcher:
                 f"hidden states at {full}: HTTP {error.code}: "
                 f"{error.read().decode(errors='replace')}"
             ) from error
-
-
-def map_safetensors(path: str) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file, mapped (copy-on-write) instead of
-    read: no copy of the data, and the mapping outlives the file's deletion."""
-    with open(path, "rb") as file:
-        header_len = int.from_bytes(file.read(8), "little")
-        header = json.loads(file.read(header_len))
-        mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
-    start = 8 + header_len
-    tensors = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = _SAFETENSORS_DTYPES[entry["dtype"]]
-        begin, end = entry["data_offsets"]
-        shape = [int(n) for n in entry["shape"]]
-        if end == begin:
-            tensors[name] = torch.empty(shape, dtype=dtype)
-            continue
-        data = torch.frombuffer(
-            mapped, dtype=torch.uint8, offset=start + begin, count=end - begin
-        )
-        if sys.byteorder != "little" and dtype.itemsize > 1:
-            data = data.reshape(-1, dtype.itemsize).flip(1).reshape(-1)
-        tensors[name] = data.view(dtype).reshape(shape)
-    return tensors
-
-
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-}
 
 
 def decode(payload: Any, fetch: RefFetcher | None = None) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Write a safetensors file straight from the tensors' memory.
+"""Write a safetensors file straight from the tensors' memory, and map one.
 
 The layout (https://github.com/huggingface/safetensors#format): an 8-byte
 little-endian header size N, N bytes of JSON header (``{name: {"dtype",
@@ -19,10 +19,12 @@ the same bytes in every process. Readers: any safetensors binding.
 from __future__ import annotations
 
 import json
+import mmap
+import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DTYPE_CODES", "write_safetensors"]
+__all__ = ["DTYPE_CODES", "map_safetensors", "write_safetensors"]
 
 #: torch dtype name -> the safetensors dtype code.
 DTYPE_CODES = {
@@ -39,6 +41,9 @@ DTYPE_CODES = {
     "uint8": "U8",
     "bool": "BOOL",
 }
+
+#: safetensors dtype code -> torch dtype name.
+_DTYPES = {code: name for name, code in DTYPE_CODES.items()}
 
 
 def write_safetensors(
@@ -76,3 +81,32 @@ def write_safetensors(
         f.write(text)
         for view in data:
             f.write(view)
+
+
+def map_safetensors(path: str | Path) -> dict[str, Any]:
+    """The tensors of a safetensors file, mapped (copy-on-write) instead of
+    read: no copy of the data, and the mapping outlives the file's deletion."""
+    import torch
+
+    with open(path, "rb") as file:
+        header_len = int.from_bytes(file.read(8), "little")
+        header = json.loads(file.read(header_len))
+        mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
+    start = 8 + header_len
+    tensors = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = getattr(torch, _DTYPES[entry["dtype"]])
+        begin, end = entry["data_offsets"]
+        shape = [int(n) for n in entry["shape"]]
+        if end == begin:
+            tensors[name] = torch.empty(shape, dtype=dtype)
+            continue
+        data = torch.frombuffer(
+            mapped, dtype=torch.uint8, offset=start + begin, count=end - begin
+        )
+        if sys.byteorder != "little" and dtype.itemsize > 1:
+            data = data.reshape(-1, dtype.itemsize).flip(1).reshape(-1)
+        tensors[name] = data.view(dtype).reshape(shape)
+    return tensors
