@@ -15,7 +15,6 @@ Mooncake or not."""
 from __future__ import annotations
 
 import argparse
-from array import array
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,7 +25,10 @@ import torch
 from vllm_hs.client import RefFetcher
 from vllm_hs.hf_reference import assert_states_close, hf_hidden_states
 from vllm_hs.models.tiny import seeded_prompt
-from vllm_hs.testing.extract_output import assert_speculators_item_equals_hf
+from vllm_hs.testing.extract_output import (
+    assert_speculators_item_equals_hf,
+    online_dataset,
+)
 from vllm_hs.testing.mooncake import MooncakeMaster, unavailable_reason
 from vllm_hs.testing.server import ServerProcess
 
@@ -172,16 +174,8 @@ def test_speculators_mooncake_backend_reads_the_server(
     (hs-connectors' MooncakeTransfer), unchanged, on the server's
     kv_transfer_params: the rows it trains on equal HF's."""
     from hs_connectors.transfer import MooncakeBackend
-    from speculators.train.data import ArrowDataset
-    from transformers import AutoTokenizer
 
-    from vllm_hs.extract.dataset import write_arrow
-    from vllm_hs.extract.inputs import (
-        load_conversations,
-        render_with_mask,
-        shipped_conversations_path,
-    )
-    from vllm_hs.extract.records import HS_DIR, Row
+    from vllm_hs.extract.records import HS_DIR
 
     config = master.store_config(segment_bytes=0)
     args = argparse.Namespace(
@@ -193,18 +187,8 @@ def test_speculators_mooncake_backend_reads_the_server(
         mooncake_local_buffer_gib=0.0625,
     )
     transfer = MooncakeBackend.from_train_args(args, str(tmp_path))
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    conversations = load_conversations(shipped_conversations_path())[0][:3]
-    rendered = [render_with_mask(tokenizer, c) for c in conversations]
-    write_arrow(tmp_path, [Row(array("i", ids), bytes(mask)) for ids, mask in rendered])
-    (tmp_path / HS_DIR).mkdir()
-    dataset = ArrowDataset(
-        max_len=512,
-        datapath=str(tmp_path),
-        transfer=transfer,
-        vllm_endpoint=server.base_url,
-        on_missing="generate",
-        hidden_states_dtype=torch.float32,
+    dataset, rendered = online_dataset(
+        tmp_path, model_dir, transfer, server.base_url, 3
     )
     for i, (ids, _mask) in enumerate(rendered):
         item = dataset[i]

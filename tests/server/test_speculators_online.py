@@ -8,14 +8,16 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
-from array import array
 from pathlib import Path
 
 import pytest
 import torch
 
 from vllm_hs.hf_reference import assert_states_close, hf_hidden_states
-from vllm_hs.testing.extract_output import assert_speculators_item_equals_hf
+from vllm_hs.testing.extract_output import (
+    assert_speculators_item_equals_hf,
+    online_dataset,
+)
 
 NUM = 4
 HIDDEN = 128
@@ -35,38 +37,17 @@ def test_backend_is_a_choice_of_speculators_train():
 def test_dataset_generates_hf_rows_from_the_server(
     online_server, model_dir, tmp_path: Path
 ):
-    from speculators.train.data import ArrowDataset
-    from transformers import AutoTokenizer
-
     from vllm_hs.client.speculators_online import VllmHsBackend
-    from vllm_hs.extract.dataset import write_arrow
-    from vllm_hs.extract.inputs import (
-        load_conversations,
-        render_with_mask,
-        shipped_conversations_path,
-    )
-    from vllm_hs.extract.records import HS_DIR, Row
+    from vllm_hs.extract.records import HS_DIR
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    conversations = load_conversations(shipped_conversations_path())[0][:NUM]
-    rendered = [render_with_mask(tokenizer, c) for c in conversations]
-    # What speculators' prepare_data leaves for online training: the token
-    # dataset, no hidden-state files.
-    write_arrow(tmp_path, [Row(array("i", ids), bytes(mask)) for ids, mask in rendered])
-    (tmp_path / HS_DIR).mkdir()
     transfer = VllmHsBackend.from_train_args(
         argparse.Namespace(
             hidden_states_path=None, vllm_endpoint=online_server.base_url
         ),
         str(tmp_path),
     )
-    dataset = ArrowDataset(
-        max_len=512,
-        datapath=str(tmp_path),
-        transfer=transfer,
-        vllm_endpoint=online_server.base_url,
-        on_missing="generate",
-        hidden_states_dtype=torch.float32,
+    dataset, rendered = online_dataset(
+        tmp_path, model_dir, transfer, online_server.base_url, NUM
     )
     for i, (ids, mask) in enumerate(rendered):
         item = dataset[i]

@@ -55,3 +55,40 @@ def assert_speculators_item_equals_hf(
         dtype=torch.float32,
         what=f"{what} verifier last",
     )
+
+
+def online_dataset(
+    path: Path, model_dir: str, transfer: Any, endpoint: str, num: int
+) -> tuple[Any, list[tuple[list[int], list[int]]]]:
+    """speculators' ArrowDataset for online training over the first `num`
+    shipped conversations, rendered with the model's chat template: the token
+    dataset without hidden-state files (what speculators' prepare_data leaves),
+    each sample's states generated from `endpoint` through `transfer`.
+    (dataset, the (token ids, loss mask) of each sample)."""
+    from array import array
+
+    from speculators.train.data import ArrowDataset
+    from transformers import AutoTokenizer
+
+    from vllm_hs.extract.dataset import write_arrow
+    from vllm_hs.extract.inputs import (
+        load_conversations,
+        render_with_mask,
+        shipped_conversations_path,
+    )
+    from vllm_hs.extract.records import Row
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    conversations = load_conversations(shipped_conversations_path())[0][:num]
+    rendered = [render_with_mask(tokenizer, c) for c in conversations]
+    write_arrow(path, [Row(array("i", ids), bytes(mask)) for ids, mask in rendered])
+    (path / HS_DIR).mkdir()
+    dataset = ArrowDataset(
+        max_len=512,
+        datapath=str(path),
+        transfer=transfer,
+        vllm_endpoint=endpoint,
+        on_missing="generate",
+        hidden_states_dtype=torch.float32,
+    )
+    return dataset, rendered
