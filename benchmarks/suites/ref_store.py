@@ -224,39 +224,34 @@ def measure(args: RefStoreSettings) -> list[Result]:
         "mooncake": "mooncake-transfer-engine-non-cuda, TCP on loopback, master "
         "and both clients on this host",
     }
-    results = [
+    how = {
+        "shm": (
+            "the shm store: put by the server's store, mapped by a reader process "
+            "(every page touched)",
+            "shm store",
+            SHM_AIM,
+        ),
+        "mooncake": (
+            "a Mooncake Store (TCP on loopback): put by the server's store, read "
+            "by hs-connectors' reader in another process",
+            "Mooncake store",
+            None,
+        ),
+    }
+    return [
         Result(
-            suite="ref_store_shm",
-            description=f"{args.size_mib} MiB reference through the shm store: "
-            "put by the server's store, mapped by a reader process (every page "
-            "touched); "
-            "rate over memcpy of the same rows in the same round",
+            suite=f"ref_store_{way}",
+            description=f"{args.size_mib} MiB reference through {through}; rate "
+            "over memcpy of the same rows in the same round",
             settings=settings,
             rounds=rounds,
             summary=summarize(
-                [row["shm_over_memcpy"] for row in rounds],
-                metric="shm store rate / memcpy",
+                [row[f"{way}_over_memcpy"] for row in rounds],
+                metric=f"{store} rate / memcpy",
                 higher_is_better=True,
-                aim=SHM_AIM,
+                aim=aim,
             ),
         )
+        for way, (through, store, aim) in how.items()
+        if way in ways
     ]
-    if "mooncake" in ways:
-        results.append(
-            Result(
-                suite="ref_store_mooncake",
-                description=f"{args.size_mib} MiB reference through a Mooncake "
-                "Store (TCP on loopback): put by the server's store, read by "
-                "hs-connectors' reader in another process; rate over memcpy of the "
-                "same rows in the same round",
-                settings=settings,
-                rounds=rounds,
-                summary=summarize(
-                    [row["mooncake_over_memcpy"] for row in rounds],
-                    metric="Mooncake store rate / memcpy",
-                    higher_is_better=True,
-                    aim=None,
-                ),
-            )
-        )
-    return results
