@@ -51,8 +51,7 @@ from vllm_hs.series.model import (
     load_series,
     unlisted_patches,
 )
-from vllm_hs.series.refresh import FORMAT_PATCH_OPTIONS
-from vllm_hs.series.stage import import_release
+from vllm_hs.series.tree import FORMAT_PATCH_OPTIONS, import_release
 
 logger = logging.getLogger(__name__)
 

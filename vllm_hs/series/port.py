@@ -23,27 +23,34 @@ and `vllm-hs port --continue --tree DIR`; `--abort` puts the repository back. At
 the end `vllm-hs refresh` writes `patches/v<X>/` (byte-stable; `vLLM-Version: X`;
 revision 1 for a new series) and the summary lists each patch's fate.
 
-`vllm-hs stage --from V --version X` is the same port, started.
+This is the one entry point of a release bump (`port`); the repository is made
+as `vllm-hs stage` makes its own, by `vllm_hs.series.tree`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from vllm_hs.command import EXIT_ERROR, EXIT_OK, add_series_dir_option
 from vllm_hs.errors import VllmHsError
 from vllm_hs.series.git import GitError, Repo
-from vllm_hs.series.model import SERIES_FILE, Series, load_series
+from vllm_hs.series.hunks import overlapping, parse_hunks, to_old_line
+from vllm_hs.series.model import (
+    SERIES_FILE,
+    Series,
+    default_series_root,
+    load_series,
+    writable_series_root,
+)
+from vllm_hs.series.tree import prepare_tree, refresh
 
 STATE_FILE = "vllm-hs-port.json"
 FATES = ("clean", "merged", "resolved", "dropped")
 # Lines around a patch's hunk in which upstream's changes are reported.
 _MARGIN = 3
-_HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@", re.MULTILINE)
 _UNMERGED = {"DD", "AU", "UD", "UA", "DU", "AA", "UU"}
 
 
@@ -100,6 +107,44 @@ class PortOutcome:
 
 def _state_path(repo: Repo) -> Path:
     return repo.git_dir() / STATE_FILE
+
+
+def port(
+    from_version: str,
+    to_version: str,
+    *,
+    dest: Path | None = None,
+    source: Path | None = None,
+    sdist: Path | None = None,
+    from_sdist: Path | None = None,
+    series_root: Path | None = None,
+    branch: str | None = None,
+) -> PortOutcome:
+    """Carry the series of vLLM V (`from_version`) onto X (`to_version`): V's
+    series applied as `hidden-states-v<V>` on v<V> in a repository holding both
+    releases (see `vllm_hs.series.tree.prepare_tree`), then ported onto v<X> as
+    `branch` (default hidden-states-v<X>) until done or a conflict."""
+    series = load_series(series_root or default_series_root(), from_version)
+    source_branch = f"hidden-states-v{from_version}"
+    branch = branch or f"hidden-states-v{to_version}"
+    repo = prepare_tree(
+        to_version,
+        series,
+        series_branch=source_branch,
+        branch=branch,
+        dest=dest,
+        source=source,
+        sdist=sdist,
+        series_sdist=from_sdist,
+    )
+    return start(
+        repo,
+        series,
+        to_version,
+        source_branch=source_branch,
+        branch=branch,
+        series_root=series_root or writable_series_root(),
+    )
 
 
 def start(
@@ -195,8 +240,6 @@ def finish(outcome: PortOutcome, revision: int | None = None) -> Path:
     """Write patches/v<X>/ from the ported branch (vllm-hs refresh); the port is
     over. The series file's comments come from V's series; where X had a series
     of its own, the new one is its next revision."""
-    from vllm_hs.series.refresh import refresh
-
     state = outcome.state
     series_root = Path(state.series_root)
     own = series_root / f"v{state.to_version}" / SERIES_FILE
@@ -234,54 +277,6 @@ def _patch_id(repo: Repo, commit: str) -> str:
 
 
 # -- the conflict report ------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Hunk:
-    old_start: int
-    old_len: int
-    new_start: int
-    new_len: int
-    text: str
-
-
-def parse_hunks(diff: str) -> list[Hunk]:
-    """The hunks of a one-file unified diff, in order."""
-    matches = list(_HUNK.finditer(diff))
-    hunks = []
-    for i, match in enumerate(matches):
-        end = matches[i + 1].start() if i + 1 < len(matches) else len(diff)
-        old_start, old_len, new_start, new_len = (
-            int(value) if value is not None else 1 for value in match.groups()
-        )
-        hunks.append(
-            Hunk(old_start, old_len, new_start, new_len, diff[match.start() : end])
-        )
-    return hunks
-
-
-def to_old_line(line: int, hunks: list[Hunk]) -> int:
-    """Line `line` of a diff's new side, as a line of its old side (`hunks`: the
-    diff, with no context)."""
-    offset = 0
-    for hunk in hunks:
-        if hunk.new_start + hunk.new_len <= line:
-            offset += hunk.new_len - hunk.old_len
-        elif hunk.new_start <= line:
-            return hunk.old_start
-    return line - offset
-
-
-def overlapping(hunks: list[Hunk], ranges: list[tuple[int, int]]) -> list[Hunk]:
-    """The hunks whose old side meets one of `ranges` ([start, end) lines)."""
-    return [
-        hunk
-        for hunk in hunks
-        if any(
-            hunk.old_start < end and start < hunk.old_start + max(hunk.old_len, 1)
-            for start, end in ranges
-        )
-    ]
 
 
 def conflict_report(repo: Repo, state: PortState, git_output: str) -> str:
@@ -435,19 +430,15 @@ def run_port(args: argparse.Namespace) -> int:
     else:
         if args.from_version is None or args.to_version is None:
             raise VllmHsError("a port needs --from V and --to X")
-        from vllm_hs.series.stage import stage
-
-        staged = stage(
+        outcome = port(
+            args.from_version,
             args.to_version,
             dest=args.dest,
             source=args.source,
             sdist=args.sdist,
             from_sdist=args.from_sdist,
             series_root=args.series_dir,
-            series_version=args.from_version,
         )
-        assert staged.port is not None
-        outcome = staged.port
     return report(outcome, args.revision)
 
 

@@ -5,41 +5,21 @@ patch (`git am`, so each commit message is the patch header), ready to push as a
 pull request. The source is the PyPI sdist of vLLM X (imported as one commit, tagged
 `v<X>`) or a local git checkout of vLLM that has the tag `v<X>`.
 
-With `--from V` the series of vLLM V is carried onto X instead (a release bump):
-this is `vllm-hs port --from V --to X` (see `vllm_hs.series.port`), patch by patch
-with git's three-way merge, stopping on a conflict with a report.
+A release bump (the series of vLLM V carried onto X) is `vllm-hs port`
+(`vllm_hs.series.port`); both make their repository with `vllm_hs.series.tree`.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from vllm_hs.command import EXIT_OK, add_series_dir_option
 from vllm_hs.errors import VllmHsError
-from vllm_hs.series.git import GitError, Repo
-from vllm_hs.series.model import (
-    Series,
-    default_series_root,
-    load_series,
-    sha256_file,
-    writable_series_root,
-)
-from vllm_hs.series.sdist import fetch_sdist, unpack_sdist
-
-if TYPE_CHECKING:
-    from vllm_hs.series.port import PortOutcome
-
-CONFIG_VERSION = "vllm-hs.version"
-CONFIG_BASE = "vllm-hs.base"
-CONFIG_BRANCH = "vllm-hs.branch"
-# The release whose series the branch was made from (differs from X in a bump).
-CONFIG_FROM = "vllm-hs.from"
+from vllm_hs.series.git import Repo
+from vllm_hs.series.model import Series, default_series_root, load_series
+from vllm_hs.series.tree import prepare_tree
 
 
 @dataclass(frozen=True)
@@ -135,14 +115,7 @@ class StagedTree:
     version: str  # X, the release staged on
     base: str  # the tag v<X>
     branch: str  # hidden-states-v<X>: one commit per patch on base
-    series: Series  # the series applied (V's for a bump --from V)
-    # A bump: the port of V's series onto X (finished, or stopped on a conflict).
-    port: PortOutcome | None = None
-
-    @property
-    def conflict(self) -> str | None:
-        """The report of the conflict a bump stopped on, else None."""
-        return self.port.conflict if self.port is not None else None
+    series: Series  # X's series, applied
 
     def footprint(self) -> Footprint:
         return footprint(self.repo, self.base, self.branch)
@@ -167,9 +140,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "examples:\n"
             "  vllm-hs stage --version 0.32.0                  # sdist from PyPI\n"
             "  vllm-hs stage --version 0.33.0 --source ~/src/vllm\n"
-            "  vllm-hs stage --version 0.34.0 --from 0.33.0    # = vllm-hs port\n"
             "then, after editing commits on the branch:\n"
-            "  vllm-hs refresh --tree vllm-0.32.0"
+            "  vllm-hs refresh --tree vllm-0.32.0\n"
+            "a release bump (the series of 0.33.0 carried onto 0.34.0):\n"
+            "  vllm-hs port --from 0.33.0 --to 0.34.0"
             "\n\nThe stage / refresh loop and release bumps, step by step: "
             "patches/README.md (in the repository, and in the installed "
             "package as vllm_hs/patches/README.md)."
@@ -204,14 +178,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "must not exist",
     )
     parser.add_argument(
-        "--from",
-        dest="series_version",
-        default=None,
-        metavar="V",
-        help="carry the series of vLLM V onto X (a release bump: vllm-hs port) "
-        "instead of X's own",
-    )
-    parser.add_argument(
         "--branch",
         default=None,
         metavar="NAME",
@@ -228,14 +194,9 @@ def run_stage(args: argparse.Namespace) -> int:
         source=args.source,
         sdist=args.sdist,
         series_root=args.series_dir,
-        series_version=args.series_version,
         branch=args.branch,
     )
     where = staged.repo.path
-    if staged.port is not None:
-        from vllm_hs.series.port import report
-
-        return report(staged.port)
     print(staged.repo.git("diff", "--stat=100", staged.base, staged.branch).rstrip())
     print(staged.footprint().describe())
     print(describe_review_sizes(staged.review_sizes()))
@@ -254,101 +215,22 @@ def stage(
     source: Path | None = None,
     sdist: Path | None = None,
     series_root: Path | None = None,
-    series_version: str | None = None,
     branch: str | None = None,
-    from_sdist: Path | None = None,
 ) -> StagedTree:
-    """Stage `version` with its series; with `series_version` V != X, port V's
-    series onto X (`vllm_hs.series.port`): the returned tree's `port` says how far
-    it got."""
-    series_version = series_version or version
-    series = load_series(series_root or default_series_root(), series_version)
+    """Stage `version` with its own series as branch `branch` (default
+    hidden-states-v<X>) on the tag v<X>."""
+    series = load_series(series_root or default_series_root(), version)
     branch = branch or f"hidden-states-v{version}"
-    base, series_base = f"v{version}", f"v{series_version}"
-
-    if source is not None:
-        repo = Repo(source.resolve())
-        if not repo.is_repo():
-            raise VllmHsError(f"{source} is not a git checkout")
-        if not repo.is_clean():
-            raise VllmHsError(f"{source} has uncommitted changes; commit or stash")
-        for tag in {base, series_base}:
-            if repo.rev(tag) is None:
-                raise VllmHsError(f"{source} has no tag {tag} (git fetch --tags?)")
-    else:
-        dest = (dest or Path(f"vllm-{version}")).resolve()
-        if dest.exists():
-            raise VllmHsError(f"{dest} already exists; remove it or pass --dest")
-        repo = Repo.init(dest)
-        if series_version != version:
-            import_release(repo, series_version, from_sdist)
-        parent = series_base if series_base != base else None
-        import_release(repo, version, sdist, parent=parent)
-
-    bump = series_base != base
-    # A bump applies V's series on v<V> first, then ports it to `branch`.
-    series_branch = f"hidden-states-v{series_version}" if bump else branch
-    for name in {branch, series_branch}:
-        if repo.rev(f"refs/heads/{name}") is not None:
-            raise VllmHsError(f"{repo.path} already has a branch {name}; pass --branch")
-    repo.git("checkout", "-q", "-b", series_branch, series_base)
-    apply_commits(repo, series)
-    repo.config_set(CONFIG_VERSION, version)
-    repo.config_set(CONFIG_BASE, base)
-    repo.config_set(CONFIG_BRANCH, branch)
-    repo.config_set(CONFIG_FROM, series_version)
-    staged = StagedTree(repo, version, base, branch, series)
-    if not bump:
-        return staged
-    from vllm_hs.series.port import start
-
-    outcome = start(
-        repo,
-        series,
+    repo = prepare_tree(
         version,
-        source_branch=series_branch,
+        series,
+        series_branch=branch,
         branch=branch,
-        series_root=series_root or writable_series_root(),
+        dest=dest,
+        source=source,
+        sdist=sdist,
     )
-    return dataclasses.replace(staged, port=outcome)
-
-
-def import_release(
-    repo: Repo, version: str, sdist: Path | None = None, parent: str | None = None
-) -> str:
-    """Commit vLLM `version`'s sdist (on `parent`, else as a root) and tag it v<X>."""
-    tag = f"v{version}"
-    archive = sdist if sdist is not None else fetch_sdist(version)
-    if parent is not None:
-        repo.git("checkout", "-q", "--detach", parent)
-    for entry in repo.path.iterdir():
-        if entry.name == ".git":
-            continue
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry)
-        else:
-            entry.unlink()
-    with tempfile.TemporaryDirectory(dir=repo.path.parent) as scratch:
-        unpacked = unpack_sdist(archive, Path(scratch) / "src")
-        for entry in unpacked.iterdir():
-            entry.rename(repo.path / entry.name)
-    repo.commit_all(
-        f"vLLM {version}\n\nThe source release {archive.name}, "
-        f"sha256 {sha256_file(archive)}, imported by vllm-hs stage."
-    )
-    repo.git("tag", tag)
-    return tag
-
-
-def apply_commits(repo: Repo, series: Series) -> None:
-    """`git am` every patch of the series, in order, onto the checked-out branch."""
-    for patch in series.patches:
-        try:
-            repo.am(patch.path)
-        except GitError as error:
-            raise VllmHsError(
-                f"{patch.name} does not apply to {repo.path}:\n{error.output}"
-            ) from None
+    return StagedTree(repo, version, f"v{version}", branch, series)
 
 
 def footprint(repo: Repo, base: str, head: str) -> Footprint:
