@@ -9,7 +9,8 @@ One subcommand per module, vLLM style. Adding a subcommand: write a module with
 
 and list it in SUBCOMMAND_MODULES. Exit codes, the parser class and shared
 options come from `vllm_hs.command`. `run` returns the exit status and raises
-VllmHsError for failures the user should read as one message. Every listed module
+VllmHsError for failures the user should read as one message (UsageError for a
+value on the command line that cannot be used: exit status 2). Every listed module
 is imported to build `--help`, so import heavy dependencies (vllm, torch) inside
 `run`, not at module level.
 
@@ -30,10 +31,11 @@ from vllm_hs.command import (
     EXIT_ERROR,
     EXIT_INTERRUPTED,
     EXIT_OK,
+    EXIT_USAGE,
     ArgumentParser,
     configure_logging,
 )
-from vllm_hs.errors import VllmHsError
+from vllm_hs.errors import UsageError, VllmHsError
 
 SUBCOMMAND_MODULES: tuple[str, ...] = (
     "vllm_hs.series.apply",
@@ -70,10 +72,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "takes_unknown_options", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.unknown_options = unknown
     configure_logging()
     try:
         return int(args.handler(args) or EXIT_OK)
+    except UsageError as error:
+        print(f"vllm-hs {args.command}: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
     except VllmHsError as error:
         print(f"vllm-hs {args.command}: error: {error}", file=sys.stderr)
         return EXIT_ERROR

@@ -9,10 +9,11 @@ import logging
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 EXIT_OK = 0
 EXIT_ERROR = 1  # a VllmHsError: one message on stderr
+EXIT_USAGE = 2  # a bad command line: argparse's errors, and a UsageError
 EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
 
 
@@ -43,6 +44,21 @@ class ArgumentParser(argparse.ArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
+
+
+class Subparsers(Protocol):
+    """What a subcommand module's ``add_parser`` is given: the dispatcher's
+    subcommands, to add its parser to."""
+
+    def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser: ...
+
+
+def accept_unknown_options(parser: argparse.ArgumentParser) -> None:
+    """Let the command take options its parser does not declare (`vllm-hs
+    extract`: vLLM's engine options): they reach its handler, in order, as
+    ``args.unknown_options`` (with a ``--`` and what follows it). Other commands
+    refuse them as argparse does."""
+    parser.set_defaults(takes_unknown_options=True)
 
 
 def add_series_dir_option(parser: argparse.ArgumentParser) -> None:

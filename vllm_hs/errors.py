@@ -14,6 +14,13 @@ class VllmHsError(Exception):
     """
 
 
+class UsageError(VllmHsError):
+    """A value given on the command line that cannot be used (a path that does
+    not exist, a number that is not one): one line naming the flag, exit status
+    `command.EXIT_USAGE` (2, as argparse's own errors), before anything starts.
+    """
+
+
 def import_extra(module: str, purpose: str, extra: str = "extract") -> ModuleType:
     """Import `module` of vllm-hs's ``extra``, or a VllmHsError naming the extra."""
     try:

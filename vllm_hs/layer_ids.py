@@ -28,8 +28,10 @@ __all__ = [
     "LayerId",
     "default_layers",
     "describe_layers",
+    "check_layer_ids",
     "parse_layers",
     "resolve_layer_ids",
+    "split_layer_ids",
 ]
 
 FINAL_NORM = "final_norm"
@@ -87,36 +89,53 @@ def parse_layers(text: str | None, num_hidden_layers: int) -> list[LayerId]:
     duplicates; None -> `default_layers`. Raises VllmHsError."""
     if text is None:
         return list(default_layers(num_hidden_layers))
+    try:
+        items = split_layer_ids(text)
+    except ValueError as e:
+        raise VllmHsError(f"--layers: {e}") from None
+    return check_layer_ids(items, num_hidden_layers)
+
+
+def split_layer_ids(text: str) -> list[LayerId]:
+    """The ids of ``--layers`` text (``"2,16,29,-1"``), not yet checked against a
+    model: at least two. Raises ValueError with the reason."""
     items: list[LayerId] = []
     for item in (part.strip() for part in text.split(",")):
         try:
             items.append(item if item == FINAL_NORM else int(item))
         except ValueError:
-            raise VllmHsError(
-                f"--layers: {item!r} is not a layer id (integers 0..L, -1 for L, "
-                f"or {FINAL_NORM})"
+            raise ValueError(
+                f"{item!r} is not a layer id (integers 0..L, -1 for L, or {FINAL_NORM})"
             ) from None
-    try:
-        layers = resolve_layer_ids(items, num_hidden_layers)
-    except ValueError:
-        bad = next(
-            k
-            for k in items
-            if isinstance(k, int) and k != -1 and not 0 <= k <= num_hidden_layers
+    if len(items) < 2:
+        raise ValueError(
+            "give at least 2 layers (aux layers, then the verifier's last hidden "
+            "state, which speculators reads as the last column)"
         )
+    return items
+
+
+def check_layer_ids(layers: Sequence[LayerId], num_hidden_layers: int) -> list[LayerId]:
+    """`resolve_layer_ids` with ``--layers``' messages, and no duplicates (``-1``
+    and ``L`` are one). Raises VllmHsError."""
+    try:
+        resolved = resolve_layer_ids(layers, num_hidden_layers)
+    except (ValueError, TypeError) as e:
+        bad = [
+            k
+            for k in layers
+            if isinstance(k, int) and k != -1 and not 0 <= k <= num_hidden_layers
+        ]
+        if not bad:
+            raise VllmHsError(f"--layers: {e}") from None
         raise VllmHsError(
-            f"--layers: layer {bad} does not exist: the model has "
+            f"--layers: layer {bad[0]} does not exist: the model has "
             f"{num_hidden_layers} decoder layers (ids 0..{num_hidden_layers}, "
             f"-1 for the last, {FINAL_NORM})"
         ) from None
-    if len(set(layers)) != len(layers):
-        raise VllmHsError(f"--layers: duplicate layer ids in {layers}")
-    if len(layers) < 2:
-        raise VllmHsError(
-            "--layers: give at least 2 layers (aux layers, then the verifier's "
-            "last hidden state, which speculators reads as the last column)"
-        )
-    return layers
+    if len(set(resolved)) != len(resolved):
+        raise VllmHsError(f"--layers: duplicate layer ids in {resolved}")
+    return resolved
 
 
 def describe_layers(layers: Sequence[LayerId], num_hidden_layers: int) -> dict:

@@ -237,24 +237,33 @@ def test_merge_without_shards_fails(tmp_path: Path):
 def test_parsing_imports_vllm_only_for_engine_options():
     """`vllm-hs --help` imports every command module and `extract --help`,
     --merge and input errors need no engine: none may import vLLM (seconds).
-    An engine option loads vLLM's own parser, and lands under its field name."""
+    Engine options pass extract's parser untouched, in order; reading them
+    loads vLLM's own parser, and they land under their field names."""
     script = """
 import sys
 from vllm_hs.cli import build_parser
-from vllm_hs.extract.engine_options import given_engine_options
+from vllm_hs.extract.engine_options import engine_options
+from vllm_hs.extract.settings import ExtractSettings, RegenerateSettings
+from vllm_hs.field_options import given_options, options_of
 
-args = build_parser().parse_args(["extract", "--output", "o", "--layers=1,-1"])
+args, unknown = build_parser().parse_known_args(
+    ["extract", "--output", "o", "--layers=1,-1"]
+)
 assert "vllm" not in sys.modules, "vllm imported"
-assert given_engine_options(args) == {}
-args = build_parser().parse_args(
+assert unknown == [], unknown
+args, unknown = build_parser().parse_known_args(
     ["extract", "--dtype", "float32", "--max-num-seqs=4", "--no-enforce-eager",
      "--seed", "3", "--max-length", "9", "--", "--max-model-len", "64"]
 )
+own = given_options(args, options_of(ExtractSettings, nested=False))
+regenerate = given_options(args, options_of(RegenerateSettings))
+assert "vllm" not in sys.modules, "vllm imported"
+assert (regenerate["seed"], own["max_length"]) == (3, 9)
+assert unknown[-2:] == ["--max-model-len", "64"], unknown
+given = engine_options(unknown, seed=3, embedded=False)
 assert "vllm" in sys.modules
-given = given_engine_options(args)
-assert given == {"dtype": "float32", "max_num_seqs": 4, "enforce_eager": False}, given
-assert (args.seed, args.max_length) == (3, 9)
-assert args.engine_args[-2:] == ["--max-model-len", "64"], args.engine_args
+assert given == {"dtype": "float32", "max_num_seqs": 4, "enforce_eager": False,
+                 "max_model_len": 64, "seed": 3}, given
 """
     proc = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=300

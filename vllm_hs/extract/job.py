@@ -88,11 +88,13 @@ def prepare(
     conversations: Sequence[Conversation],
     settings: ExtractSettings,
 ) -> ExtractJob | ExtractResult:
-    """Check ``settings`` against the model of ``facts``, open the output
+    """Check ``settings`` against the model of ``facts`` (its layer ids resolved:
+    `ExtractSettings.for_model`), open the output
     directory (new, or --resume of a run with the same settings) with its
     manifest, plan the samples and find those already written. Returns the
     job, or the result when there is nothing to run (already complete, or
     finished here: a crash while closing gaps)."""
+    settings = settings.for_model(facts.num_hidden_layers)
     max_length = _max_length(settings.max_length, facts.max_model_len)
     template = settings.chat_template
     if template is None:

@@ -2,7 +2,8 @@
 each column is, and its summary. Written first with ``complete: false``,
 rewritten last with ``complete: true``; --resume and --merge compare the
 `FINGERPRINT_KEYS` of manifests. `Manifest.of` derives it from the
-`vllm_hs.extract.settings.ExtractSettings` and the model.
+`vllm_hs.extract.settings.ExtractSettings` (the fields it marks `RECORDED`, taken
+under their own names) and the model.
 """
 
 from __future__ import annotations
@@ -106,6 +107,13 @@ class Manifest:
     compress: bool = False
     """--compress (specforge: gzipped .ckpt.gz files)."""
 
+    def __post_init__(self) -> None:
+        # As JSON holds them (a settings' tuple of layers, an engine option that
+        # is an object).
+        self.layers = list(self.layers)
+        if self.engine_options is not None:
+            self.engine_options = _jsonable(self.engine_options)
+
     _OPTIONAL = (
         "data",
         "engine_options",
@@ -130,37 +138,23 @@ class Manifest:
         """The manifest a run of ``settings`` on the model of ``facts`` starts
         with (``max_length`` resolved against the model, ``chat_template`` the
         template in use)."""
-        layers = list(settings.layers)
+        assert settings.layers is not None, "settings.for_model() first"
         stored = settings.stored_dtype(facts.dtype)
-        files = settings.files
         return cls(
+            **settings.recorded(),
             model=facts.model,
             model_config_sha256=facts.fingerprint,
-            data_sha256=settings.data_sha256,
             chat_template_sha256=hashlib.sha256(
                 (chat_template or "").encode()
             ).hexdigest(),
-            layers=layers,
-            columns=describe_layers(layers, facts.num_hidden_layers),
+            columns=describe_layers(settings.layers, facts.num_hidden_layers),
             num_hidden_layers=facts.num_hidden_layers,
             dtype=stored,
             model_dtype=None if stored == facts.dtype else facts.dtype,
             reading=reading_note(stored),
             hidden_size=facts.hidden_size,
             max_length=max_length,
-            regenerate=settings.regenerate,
-            validate=settings.validate,
-            num_shards=settings.num_shards,
-            shard_index=settings.shard_index,
-            data=settings.data,
-            engine_options=(
-                None
-                if settings.engine_options is None
-                else _jsonable(settings.engine_options)
-            ),
-            format=files.description,
-            trainer_format=files.name,
-            compress=settings.compress,
+            format=settings.files.description,
         )
 
     def to_json(self) -> dict[str, Any]:
