@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vllm_hs.input_checks import new_or_writable_dir, positive, require
 from vllm_hs.patched_vllm import import_patched_vllm
 
 DEMO_PROMPTS = (
@@ -61,6 +62,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    require("--max-tokens", args.max_tokens, positive)
+    require("--output", args.output, new_or_writable_dir)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     if args.inproc:

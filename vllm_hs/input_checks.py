@@ -24,8 +24,10 @@ __all__ = [
     "model_problem",
     "new_or_writable_dir",
     "new_path",
+    "positive",
     "read_text_file",
     "require",
+    "writable_file",
 ]
 
 #: A model directory holds one of these (HF's config, or a Mistral-format model's).
@@ -86,6 +88,24 @@ def new_path(path: Path) -> str | None:
     parent is a writable directory."""
     if path.exists():
         return "already exists"
+    return _can_be_made(path)
+
+
+def writable_file(path: Path) -> str | None:
+    """A file to write: one that can be written, or one that can be made."""
+    if path.is_dir():
+        return "a directory, not a file"
+    if path.exists():
+        return None if os.access(path, os.W_OK) else "not writable"
+    return _can_be_made(path)
+
+
+def positive(value: int) -> str | None:
+    """A number above 0."""
+    return None if value > 0 else "must be at least 1"
+
+
+def _can_be_made(path: Path) -> str | None:
     parent = path.absolute().parent
     while not parent.exists():
         parent = parent.parent

@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from vllm_hs import fs
-from vllm_hs.errors import VllmHsError
+from vllm_hs.errors import UsageError, VllmHsError
 from vllm_hs.extract.formats import SampleFiles
 from vllm_hs.extract.inputs import Sample
 from vllm_hs.extract.manifest import Manifest
@@ -84,7 +84,7 @@ def open_output(output: Path, manifest: Manifest, resume: bool) -> Manifest | No
     that --resume may not continue (not asked for, or other settings)."""
     path = output / MANIFEST
     if output.exists() and not output.is_dir():
-        raise VllmHsError(f"--output {output} exists and is not a directory")
+        raise UsageError(f"--output {output}: exists and is not a directory")
     # A run killed before it wrote its manifest leaves at most these behind:
     # the manifest's temporary file and an empty hidden_states.
     existing = [
@@ -114,7 +114,10 @@ def open_output(output: Path, manifest: Manifest, resume: bool) -> Manifest | No
             "empty or new directory"
         )
     if previous is None or not previous.complete:
-        output.mkdir(parents=True, exist_ok=True)
+        try:
+            output.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UsageError(f"--output {output}: {e.strerror or e}") from None
         remove_temp_files(output)
         if previous is None:
             manifest.write(path)

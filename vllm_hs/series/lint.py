@@ -41,6 +41,7 @@ from unidiff import PatchSet
 
 from vllm_hs.command import EXIT_ERROR, EXIT_OK, add_series_dir_option
 from vllm_hs.errors import VllmHsError
+from vllm_hs.input_checks import existing_file, require
 from vllm_hs.proc import run
 from vllm_hs.series.git import GitError, Repo
 from vllm_hs.series.model import (
@@ -122,6 +123,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_lint(args: argparse.Namespace) -> int:
+    require("--sdist", args.sdist, existing_file)
     series_root = args.series_dir or default_series_root()
     versions = args.version or available_versions(series_root)
     if args.sdist is not None and len(versions) != 1:

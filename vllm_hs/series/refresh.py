@@ -19,6 +19,7 @@ import argparse
 from pathlib import Path
 
 from vllm_hs.command import EXIT_OK, add_series_dir_option
+from vllm_hs.input_checks import existing_dir, require
 from vllm_hs.series.tree import FORMAT_PATCH_OPTIONS, RefreshOutcome, refresh
 
 # The write-back itself lives in vllm_hs.series.tree (a port ends with it too).
@@ -73,6 +74,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_refresh(args: argparse.Namespace) -> int:
+    require("--tree", args.tree, existing_dir)
     outcome = refresh(
         args.tree,
         series_root=args.series_dir,

@@ -80,11 +80,15 @@ def unpack_sdist(archive: Path, dest: Path) -> Path:
         raise VllmHsError(f"{dest} already exists")
     # The scratch folder (next to dest) is removed also when unpacking fails.
     with staging_dir(dest.parent, dest.name) as scratch:
-        with tarfile.open(archive) as tar:
-            # The "data" filter refuses links out of the tree and absolute paths
-            # and does not restore the archive's owners (a root-owned checkout, as
-            # git wants).
-            tar.extractall(scratch, filter="data")
+        try:
+            with tarfile.open(archive) as tar:
+                # The "data" filter refuses links out of the tree and absolute
+                # paths and does not restore the archive's owners (a root-owned
+                # checkout, as git wants).
+                tar.extractall(scratch, filter="data")
+        except (tarfile.TarError, OSError) as e:
+            reason = str(e).splitlines()[0].rstrip(":")
+            raise VllmHsError(f"{archive}: not an sdist to unpack ({reason})") from None
         entries = list(scratch.iterdir())
         if len(entries) != 1 or not entries[0].is_dir():
             raise VllmHsError(f"{archive} does not hold one top-level folder")

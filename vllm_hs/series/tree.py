@@ -84,10 +84,14 @@ def prepare_tree(
         if dest.exists():
             raise VllmHsError(f"{dest} already exists; remove it or pass --dest")
         repo = Repo.init(dest)
-        if series_base != base:
-            import_release(repo, series_version, series_sdist)
-        parent = series_base if series_base != base else None
-        import_release(repo, version, sdist, parent=parent)
+        try:
+            if series_base != base:
+                import_release(repo, series_version, series_sdist)
+            parent = series_base if series_base != base else None
+            import_release(repo, version, sdist, parent=parent)
+        except BaseException:
+            shutil.rmtree(dest, ignore_errors=True)  # no half-made repository
+            raise
 
     for name in {branch, series_branch}:
         if repo.rev(f"refs/heads/{name}") is not None:

@@ -38,6 +38,13 @@ from pathlib import Path
 from vllm_hs.command import EXIT_ERROR, EXIT_OK, add_series_dir_option
 from vllm_hs.errors import VllmHsError
 from vllm_hs.fs import atomic_write_text
+from vllm_hs.input_checks import (
+    existing_file,
+    new_path,
+    positive,
+    require,
+    writable_file,
+)
 from vllm_hs.proc import run
 from vllm_hs.series.model import default_series_root, load_series
 from vllm_hs.series.stage import stage
@@ -221,6 +228,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_upstream_tests(args: argparse.Namespace) -> int:
+    require("--sdist", args.sdist, existing_file)
+    require("--report", args.report, writable_file)
+    require("--keep", args.keep, new_path)
+    require("--timeout", args.timeout, positive)
     comparison = compare(
         args.version,
         series_root=args.series_dir,

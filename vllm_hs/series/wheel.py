@@ -25,6 +25,7 @@ from packaging.version import InvalidVersion, Version
 from vllm_hs.command import EXIT_OK, add_series_dir_option
 from vllm_hs.errors import VllmHsError
 from vllm_hs.fs import cache_root
+from vllm_hs.input_checks import existing_file, new_or_writable_dir, require
 from vllm_hs.proc import run
 from vllm_hs.series.apply import apply_series
 from vllm_hs.series.model import (
@@ -146,6 +147,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_wheel(args: argparse.Namespace) -> int:
+    require("--wheel", args.wheel, existing_file)
+    require("--out", args.out, new_or_writable_dir)
+    require("--cache", args.cache, new_or_writable_dir)
     if args.wheel is not None:
         upstream = args.wheel
     else:
