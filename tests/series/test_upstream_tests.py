@@ -36,6 +36,7 @@ QUICK = [
     "tests/distributed/aux_output_connector/test_store.py",
     "tests/config/test_aux_output_config.py",
     "tests/model_executor/test_routed_experts_capture.py",
+    "tests/v1/core/test_aux_output_cache_hit.py",
     "tests/v1/core/test_output.py",
     "tests/v1/engine/test_parallel_sampling.py",
     "tests/v1/kv_connector/unit/test_hidden_states_connector.py",
