@@ -28,6 +28,11 @@ NEWEST = VERSIONS[-1]
 # this suite runs, a quick subset. `vllm-hs upstream-tests --extended` runs all
 # (patches/v<X>/UPSTREAM-TESTS.md).
 QUICK = [
+    # The fixes' regression tests (each fails without its fix).
+    "tests/entrypoints/cli/test_version.py",
+    "tests/v1/kv_connector/unit/test_hidden_states_connector_cpu.py",
+    "tests/model_executor/test_aux_hidden_state_layer0.py",
+    "tests/v1/engine/test_sync_client_output_thread_shutdown.py",
     "tests/test_outputs.py",
     "tests/v1/test_serial_utils.py",
     "tests/v1/hidden_states/test_positions.py",
