@@ -40,7 +40,7 @@ BAD_INPUTS = [
     (["demo", "--output", "notes.txt"], "--output"),
     (["stage", "--version", "0.32.0", "--sdist", "/nonexistent.tar.gz"], "--sdist"),
     (["stage", "--version", "0.32.0", "--source", "/nonexistent"], "--source"),
-    (["stage", "--version", "0.32.0", "--dest", "notes.txt"], "--dest"),
+    (["stage", "--version", "0.32.0", "--dest", "notes.txt/tree"], "--dest"),
     (["port", "--continue", "--tree", "/nonexistent"], "--tree"),
     (["port", "--abort", "--tree", "notes.txt"], "--tree"),
     (

@@ -18,6 +18,7 @@ from vllm_hs.errors import UsageError
 
 __all__ = [
     "MODEL_CONFIG_FILES",
+    "can_be_made",
     "existing_dir",
     "existing_file",
     "existing_path",
@@ -80,7 +81,7 @@ def new_or_writable_dir(path: Path) -> str | None:
         if not os.access(path, os.W_OK | os.X_OK):
             return "not writable"
         return None
-    return new_path(path)
+    return can_be_made(path)
 
 
 def new_path(path: Path) -> str | None:
@@ -88,7 +89,7 @@ def new_path(path: Path) -> str | None:
     parent is a writable directory."""
     if path.exists():
         return "already exists"
-    return _can_be_made(path)
+    return can_be_made(path)
 
 
 def writable_file(path: Path) -> str | None:
@@ -97,7 +98,7 @@ def writable_file(path: Path) -> str | None:
         return "a directory, not a file"
     if path.exists():
         return None if os.access(path, os.W_OK) else "not writable"
-    return _can_be_made(path)
+    return can_be_made(path)
 
 
 def positive(value: int) -> str | None:
@@ -105,7 +106,11 @@ def positive(value: int) -> str | None:
     return None if value > 0 else "must be at least 1"
 
 
-def _can_be_made(path: Path) -> str | None:
+def can_be_made(path: Path) -> str | None:
+    """A path that exists, or whose nearest existing parent is a writable
+    directory (whether it may exist already is the command's to say)."""
+    if path.exists():
+        return None
     parent = path.absolute().parent
     while not parent.exists():
         parent = parent.parent

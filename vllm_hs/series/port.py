@@ -36,7 +36,7 @@ from pathlib import Path
 
 from vllm_hs.command import EXIT_ERROR, EXIT_OK, add_series_dir_option
 from vllm_hs.errors import VllmHsError
-from vllm_hs.input_checks import existing_dir, existing_file, new_path, require
+from vllm_hs.input_checks import can_be_made, existing_dir, existing_file, require
 from vllm_hs.series.git import GitError, Repo
 from vllm_hs.series.hunks import overlapping, parse_hunks, to_old_line
 from vllm_hs.series.model import (
@@ -423,7 +423,7 @@ def run_port(args: argparse.Namespace) -> int:
     require("--source", args.source, existing_dir)
     require("--sdist", args.sdist, existing_file)
     require("--from-sdist", args.from_sdist, existing_file)
-    require("--dest", args.dest, new_path)
+    require("--dest", args.dest, can_be_made)
     if args.resume or args.abort:
         if args.tree is None:
             raise VllmHsError("--continue and --abort need --tree DIR")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from vllm_hs.command import EXIT_OK, add_series_dir_option
 from vllm_hs.errors import VllmHsError
-from vllm_hs.input_checks import existing_dir, existing_file, new_path, require
+from vllm_hs.input_checks import can_be_made, existing_dir, existing_file, require
 from vllm_hs.series.git import Repo
 from vllm_hs.series.model import Series, default_series_root, load_series
 from vllm_hs.series.tree import prepare_tree
@@ -191,7 +191,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run_stage(args: argparse.Namespace) -> int:
     require("--source", args.source, existing_dir)
     require("--sdist", args.sdist, existing_file)
-    require("--dest", args.dest, new_path)
+    require("--dest", args.dest, can_be_made)
     staged = stage(
         args.version,
         dest=args.dest,
