@@ -32,15 +32,20 @@ def test_compiled_engines_in_turn_never_reuse_a_stale_graph(llama_fp32):
             llm.generate([tokens_prompt(prompt)], greedy(2, hidden_states={}))
         (out,) = llm.generate([tokens_prompt(prompt)], greedy(2), use_tqdm=False)
         assert len(out.outputs[0].token_ids) == 2
-    for layers in ([1, 3], [0, -1, "final_norm"]):
+    # The second engine runs without prefix caching: no hit would read stored
+    # rows, so none are stored (store_bytes resolves to 0).
+    for layers, prefix_caching in (([1, 3], True), ([0, -1, "final_norm"], False)):
         with engine(
             llama_fp32,
             "inproc",
             dtype="float32",
             hidden_states_config={"layers": layers},
+            enable_prefix_caching=prefix_caching,
         ) as llm:
             config = llm.llm_engine.vllm_config.compilation_config
             assert config.mode != 0, "expected the default compiled engine"
+            hs_config = llm.llm_engine.vllm_config.aux_output_config.hidden_states
+            assert hs_config.store_bytes == (1 << 30 if prefix_caching else 0)
             (out,) = llm.generate(
                 [tokens_prompt(prompt)], greedy(6, hidden_states={}), use_tqdm=False
             )
