@@ -19,11 +19,11 @@ from vllm_hs.series.port import (
     abort,
     finish,
     parse_hunks,
+    port,
     resume,
     to_old_line,
 )
 from vllm_hs.series.refresh import FORMAT_PATCH_OPTIONS, refresh
-from vllm_hs.series.stage import stage
 from vllm_hs.testing.git import git_env
 
 GIT_ENV = git_env()
@@ -102,9 +102,7 @@ def releases(tmp_path: Path) -> tuple[Path, Path]:
 
 
 def _start(checkout: Path, root: Path):
-    return stage(
-        "0.2.0", source=checkout, series_root=root, series_version="0.1.0"
-    ).port
+    return port("0.1.0", "0.2.0", source=checkout, series_root=root)
 
 
 def test_port_stops_on_a_conflict_with_a_report_then_continues(

@@ -13,6 +13,7 @@ import pytest
 from vllm_hs.cli import main
 from vllm_hs.errors import VllmHsError
 from vllm_hs.series.model import load_series
+from vllm_hs.series.port import port
 from vllm_hs.series.refresh import refresh
 from vllm_hs.series.stage import StagedTree, stage
 
@@ -157,17 +158,18 @@ def test_stage_on_a_users_git_checkout(staged_032: StagedTree, tmp_path: Path) -
 def test_release_bump_stops_on_the_known_conflicts(tmp_path: Path, sdist) -> None:
     """0.32.0's series onto 0.33.0: git's three-way merge stops at the Triton
     kernel-override fix (0005), whose test file 0.33.0 changed."""
-    staged = stage(
+    outcome = port(
+        "0.32.0",
         "0.33.0",
         dest=tmp_path / "bump",
         sdist=sdist["0.33.0"],
+        from_sdist=sdist["0.32.0"],
         series_root=SERIES_ROOT,
-        series_version="0.32.0",
     )
-    assert staged.conflict is not None
-    assert "UU tests/model_executor/test_triton_dispatcher.py" in staged.conflict
+    assert outcome.conflict is not None
+    assert "UU tests/model_executor/test_triton_dispatcher.py" in outcome.conflict
     with pytest.raises(VllmHsError, match="middle of a rebase"):
-        refresh(staged.repo.path, series_root=tmp_path / "patches")
+        refresh(outcome.repo.path, series_root=tmp_path / "patches")
 
 
 def test_refresh_of_an_untouched_branch_is_byte_identical(
