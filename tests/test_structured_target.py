@@ -14,12 +14,12 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from vllm_hs.models import structured_target as st  # noqa: E402
-from vllm_hs.models.tiny import _train_tokenizer  # noqa: E402
+from vllm_hs.models.tiny import train_tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return _train_tokenizer(st.TOKENIZER_SEED, st.VOCAB_SIZE)
+    return train_tokenizer(st.TOKENIZER_SEED, st.VOCAB_SIZE)
 
 
 @pytest.fixture(scope="module")

@@ -132,9 +132,9 @@ def conversations(
 
 
 def _default_language() -> Language:
-    from vllm_hs.models.tiny import _train_tokenizer
+    from vllm_hs.models.tiny import train_tokenizer
 
-    return Language.of(_train_tokenizer(TOKENIZER_SEED, VOCAB_SIZE))
+    return Language.of(train_tokenizer(TOKENIZER_SEED, VOCAB_SIZE))
 
 
 def build_structured_target(
@@ -211,10 +211,10 @@ def _write_target(out: Path, args: dict[str, Any]) -> None:
     from vllm_hs.models.tiny import (
         SPECIAL_TOKENS,
         _normalize_tokenizer_config,
-        _train_tokenizer,
+        train_tokenizer,
     )
 
-    tokenizer = _train_tokenizer(TOKENIZER_SEED, VOCAB_SIZE)
+    tokenizer = train_tokenizer(TOKENIZER_SEED, VOCAB_SIZE)
     language = Language.of(tokenizer)
     encoder = _Encoder(tokenizer)
     bos_id, eos_id, pad_id = (

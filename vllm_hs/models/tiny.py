@@ -248,7 +248,7 @@ def _write_model(out: Path, args: dict[str, Any]) -> None:
     import transformers
 
     vocab_size = args["vocab_size"]
-    tokenizer = _train_tokenizer(args["seed"], vocab_size)
+    tokenizer = train_tokenizer(args["seed"], vocab_size)
     bos_id, eos_id, pad_id = (
         tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS[:3]
     )
@@ -333,7 +333,7 @@ def _synthetic_corpus(seed: int, num_lines: int) -> list[str]:
     return lines
 
 
-def _train_tokenizer(seed: int, vocab_size: int) -> Any:
+def train_tokenizer(seed: int, vocab_size: int) -> Any:
     """Train a byte-level BPE tokenizer with exactly `vocab_size` entries."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
