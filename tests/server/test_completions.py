@@ -211,8 +211,10 @@ def test_positions(oai, served_model, model_dir, stream, positions):
             rows, ref, dtype=torch.float32, what=f"{positions} {what}", layers=[0, 1]
         )
     if stream and positions == "last":
-        # No output rows before the last chunk that carries tokens.
-        assert [rows for _, rows, _ in got.rows_vs_tokens] == [0] * 5 + [1]
+        # No output rows before the last chunk that carries tokens (a slow
+        # consumer may get several tokens in one chunk: vLLM merges deltas).
+        counts = [rows for _, rows, _ in got.rows_vs_tokens]
+        assert counts[-1] == 1 and not any(counts[:-1]), counts
 
 
 def test_rows_without_return_token_ids(oai, served_model, model_dir, stream):
