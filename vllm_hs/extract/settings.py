@@ -46,8 +46,9 @@ __all__ = [
 DEFAULT_OUTPUT = Path("vllm-hs-extract-out")
 #: --buffer-mib's default.
 DEFAULT_BUFFER_MIB = 2048
+_RECORDED_KEY = "vllm_hs.manifest"
 #: Field metadata: the manifest records the field under its name.
-RECORDED = {"vllm_hs.manifest": True}
+RECORDED = {_RECORDED_KEY: True}
 
 
 def _layer_ids(text: str) -> tuple[LayerId, ...]:
@@ -323,7 +324,7 @@ class ExtractSettings:
         return {
             field.name: getattr(self, field.name)
             for field in dataclasses.fields(self)
-            if field.metadata.get("vllm_hs.manifest")
+            if field.metadata.get(_RECORDED_KEY)
         }
 
     def stored_dtype(self, model_dtype: str) -> str:
