@@ -1,6 +1,7 @@
 """The package's declared shape: subpackages listed for setuptools, every
 third-party import declared as a dependency, product code apart from test
-support, and a command line that starts without torch or vLLM."""
+support (the vllm-hs-testing distribution in testing/, never in the vllm-hs
+wheel), and a command line that starts without torch or vLLM."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from packaging.utils import canonicalize_name
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "vllm_hs"
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
+TESTING = REPO / "testing"
+TEST_SUPPORT = "vllm_hs_testing"
 
 # Chosen by the user, never declared (see pyproject.toml): vLLM's flavour, and
 # what comes with it (its torch build; huggingface_hub, which only the pytest
@@ -25,12 +28,11 @@ USER_CHOSEN = {"vllm", "torch", "huggingface_hub"}
 
 
 def product_modules() -> list[Path]:
-    """vllm_hs's modules except the test support (vllm_hs/testing)."""
+    """vllm_hs's modules (the data generator aside)."""
     return [
         path
         for path in sorted(PACKAGE.rglob("*.py"))
-        if "testing" not in path.relative_to(PACKAGE).parts
-        and path.name != "make_conversations.py"  # data generator, run by hand
+        if path.name != "make_conversations.py"  # data generator, run by hand
     ]
 
 
@@ -53,13 +55,30 @@ def declared(extras: tuple[str, ...]) -> set[str]:
     return {canonicalize_name(Requirement(r).name) for r in requirements}
 
 
+def packages_found(root: Path, package: str) -> set[str]:
+    """Dotted names of `package` (a folder under `root`) and its subpackages."""
+    return {
+        ".".join(init.parent.relative_to(root).parts)
+        for init in (root / package).rglob("__init__.py")
+    }
+
+
 def test_every_subpackage_is_listed() -> None:
     listed = set(PYPROJECT["tool"]["setuptools"]["packages"])
-    found = {
-        ".".join(init.parent.relative_to(REPO).parts)
-        for init in PACKAGE.rglob("__init__.py")
-    }
+    found = packages_found(REPO, "vllm_hs")
     assert found <= listed, f"not in pyproject's packages: {sorted(found - listed)}"
+
+
+def test_test_support_is_its_own_distribution() -> None:
+    """vllm_hs_testing is listed by testing/pyproject.toml, and the vllm-hs
+    wheel ships no test support."""
+    shipped = PYPROJECT["tool"]["setuptools"]["packages"]
+    assert not [p for p in shipped if p.startswith(("vllm_hs.testing", TEST_SUPPORT))]
+    testing = tomllib.loads((TESTING / "pyproject.toml").read_text())
+    assert testing["project"]["name"] == "vllm-hs-testing"
+    listed = set(testing["tool"]["setuptools"]["packages"])
+    found = packages_found(TESTING, TEST_SUPPORT)
+    assert found == listed, f"testing/pyproject.toml lists {sorted(listed)}"
 
 
 def test_every_third_party_import_is_declared() -> None:
@@ -83,7 +102,7 @@ def test_product_code_never_imports_test_support() -> None:
     offenders = [
         str(path.relative_to(REPO))
         for path in product_modules()
-        if any(m.startswith("vllm_hs.testing") for m in imported_modules(path))
+        if any(m.split(".")[0] == TEST_SUPPORT for m in imported_modules(path))
     ]
     assert not offenders
 

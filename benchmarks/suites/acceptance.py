@@ -150,7 +150,7 @@ def start_server(
 ) -> Any:
     """A patched `vllm serve` answering every request's prompt states by
     reference in kv_transfer_params (speculators' online mode)."""
-    from vllm_hs.testing.server import ServerProcess
+    from vllm_hs_testing.server import ServerProcess
 
     server = ServerProcess(
         model,

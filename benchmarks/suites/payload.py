@@ -176,7 +176,7 @@ def health_windows(
 
 def measure(args: PayloadSettings) -> list[Result]:
     from vllm_hs.models.tiny import build_tiny_model
-    from vllm_hs.testing.server import ServerProcess
+    from vllm_hs_testing.server import ServerProcess
 
     tokens = prompt_tokens(args.size_mib)
     model = build_tiny_model(

@@ -153,7 +153,7 @@ def measure(args: RefStoreSettings) -> list[Result]:
     import torch
     from vllm.entrypoints.openai import hidden_states_refs as refs
 
-    from vllm_hs.testing.mooncake import MooncakeMaster, unavailable_reason
+    from vllm_hs_testing.mooncake import MooncakeMaster, unavailable_reason
 
     nbytes = args.size_mib << 20
     rows = torch.randn(nbytes // (LAYERS * HIDDEN * 2), LAYERS, HIDDEN).to(

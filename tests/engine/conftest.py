@@ -11,7 +11,7 @@ import pytest
 
 from vllm_hs.models.tiny import build_tiny_model
 from vllm_hs.patched_vllm import skip_reason
-from vllm_hs.testing.harness import (
+from vllm_hs_testing.harness import (
     BUDGET,
     CAP_BYTES,
     MAIN_LAYERS,
@@ -62,6 +62,6 @@ def main_engine(request: pytest.FixtureRequest, llama_fp32: str):
         enable_prefix_caching=True,
         block_size=32,  # the CPU default (128) would hide short shared prefixes
         enforce_eager=(mode == "inproc"),
-        worker_extension_cls="vllm_hs.testing.ChannelStateProbe",
+        worker_extension_cls="vllm_hs_testing.ChannelStateProbe",
     ) as llm:
         yield llm, mode

@@ -1,5 +1,5 @@
 """Architecture conformance: every layer id (0..L and "final_norm") of every
-architecture in `vllm_hs.models.architectures.ARCHITECTURES`, prompt and output rows
+architecture in `vllm_hs_testing.architectures.ARCHITECTURES`, prompt and output rows
 of two batched requests, against HF transformers on the same weights, in the
 dtype vLLM's CPU backend runs the model in. In-process engine, eager (the
 capture is the model's own code, or the generic capture for models without
@@ -18,12 +18,12 @@ from vllm_hs.hf_reference import (
     assert_states_close,
     hf_sequence_states,
 )
-from vllm_hs.models.architectures import (
+from vllm_hs_testing.architectures import (
     ARCHITECTURES,
     ArchSpec,
     build_architecture_model,
 )
-from vllm_hs.testing.harness import (
+from vllm_hs_testing.harness import (
     engine,
     expected_model_runner,
     greedy,

@@ -11,7 +11,7 @@ import torch
 
 from vllm_hs.hf_reference import assert_states_close, hf_greedy, hf_hidden_states
 from vllm_hs.models.tiny import build_tiny_model, seeded_prompt
-from vllm_hs.testing.harness import (
+from vllm_hs_testing.harness import (
     MODES,
     NGRAM,
     PREEMPTING,

@@ -4,7 +4,7 @@ drafter reads the target's aux layers 1, 2, 3 and the channel captures 0, 2,
 checked against HF on the final sequence; greedy tokens equal HF's; and the
 draft proposes and gets accepted exactly what it does on an engine without
 the channel (same requests, same batch). The draft is a tiny one trained on
-the target's continuations of `training_prompts()` (`vllm_hs.testing.
+the target's continuations of `training_prompts()` (`vllm_hs.models.
 eagle3_draft`), so drafts are both accepted and rejected there. The KV
 cache is small enough that the mixed batch is preempted."""
 
@@ -18,7 +18,7 @@ import torch
 
 from vllm_hs.hf_reference import hf_greedy
 from vllm_hs.models.eagle3_draft import build_eagle3_draft, training_prompts
-from vllm_hs.testing.harness import (
+from vllm_hs_testing.harness import (
     Expect,
     check_stop_inside_drafts,
     engine,

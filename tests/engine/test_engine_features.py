@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_hs.testing.harness import (
+from vllm_hs_testing.harness import (
     MODES,
     PREEMPTING,
     Expect,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_hs.testing.harness import (
+from vllm_hs_testing.harness import (
     MODES,
     Expect,
     engine,
@@ -93,7 +93,7 @@ def test_generic_capture_with_cuda_graphs(name, runner):
     against HF."""
     from transformers import AutoConfig
 
-    from vllm_hs.models.architectures import build_architecture_model
+    from vllm_hs_testing.architectures import build_architecture_model
 
     model_dir = str(build_architecture_model(name))
     num_layers = AutoConfig.from_pretrained(model_dir).get_text_config()
@@ -185,7 +185,7 @@ def test_eagle3_speculation_on_cuda(runner):
     with and without states; drafts both accepted and rejected."""
     from vllm_hs.models.eagle3_draft import build_eagle3_draft, training_prompts
     from vllm_hs.models.tiny import build_tiny_model
-    from vllm_hs.testing.harness import engine_metric
+    from vllm_hs_testing.harness import engine_metric
 
     model_dir = str(build_tiny_model("llama", "float32"))
     draft = str(build_eagle3_draft(model_dir))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_hs.hf_reference import hf_greedy
-from vllm_hs.testing.harness import engine, greedy, seeded_prompt, tokens_prompt
+from vllm_hs_testing.harness import engine, greedy, seeded_prompt, tokens_prompt
 
 pytestmark = pytest.mark.mrv1
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from vllm_hs.hf_reference import assert_states_close, hf_sequence_states
-from vllm_hs.testing import expected_model_runner
-from vllm_hs.testing.harness import engine, seeded_prompt, tokens_prompt
+from vllm_hs_testing import expected_model_runner
+from vllm_hs_testing.harness import engine, seeded_prompt, tokens_prompt
 
 LAYERS = [0, -1, "final_norm"]
 RESOLVED = [0, 4, "final_norm"]
@@ -113,7 +113,7 @@ def test_output_kinds_async_llm(llama_fp32):
         max_num_batched_tokens=32,
         enforce_eager=True,
         hidden_states_config={"layers": LAYERS},
-        worker_extension_cls="vllm_hs.testing.ChannelStateProbe",
+        worker_extension_cls="vllm_hs_testing.ChannelStateProbe",
     )
     # (kind, n, consumer delay): a slow DELTA consumer makes AsyncLLM merge
     # outputs (RequestOutput.add) before it takes them.

@@ -22,7 +22,7 @@ import pytest
 import vllm.envs
 
 from vllm_hs.models.eagle3_draft import build_eagle3_draft, training_prompts
-from vllm_hs.testing.harness import (
+from vllm_hs_testing.harness import (
     engine,
     engine_metric,
     expected_model_runner,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from vllm_hs.hf_reference import hf_greedy
-from vllm_hs.testing.harness import (
+from vllm_hs_testing.harness import (
     NGRAM,
     PREEMPTING,
     Expect,

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from vllm_hs.patched_vllm import expect_patched, is_patched
-from vllm_hs.testing import engine
+from vllm_hs_testing import engine
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

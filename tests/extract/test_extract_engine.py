@@ -16,7 +16,7 @@ from vllm_hs.extract.inputs import load_conversations, render_with_mask
 from vllm_hs.extract.outdir import merge_shards, shard_dir
 from vllm_hs.extract.records import HS_DIR, MANIFEST, SKIPPED
 from vllm_hs.hf_reference import assert_states_close, hf_hidden_states
-from vllm_hs.testing.extract_output import hs_metadata, load_output
+from vllm_hs_testing.extract_output import hs_metadata, load_output
 
 LAYERS = [1, 2, 3, 4]
 NUM = 36  # conversations of the shipped set used here

@@ -14,7 +14,7 @@ from vllm_hs.extract.inputs import render_with_mask
 from vllm_hs.extract.records import MANIFEST
 from vllm_hs.extract.settings import RegenerateSettings
 from vllm_hs.hf_reference import assert_states_close, hf_greedy, hf_hidden_states
-from vllm_hs.testing.extract_output import load_output
+from vllm_hs_testing.extract_output import load_output
 
 LAYERS = [1, 2, 3, 4]
 NUM = 36  # conversations of the shipped set used here

@@ -18,7 +18,7 @@ import pytest
 from vllm_hs.series.model import available_versions
 from vllm_hs.series.sdist import fetch_sdist
 from vllm_hs.series.stage import StagedTree, stage
-from vllm_hs.testing.git import git_env
+from vllm_hs_testing.git import git_env
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SERIES_ROOT = REPO_ROOT / "patches"

@@ -24,7 +24,7 @@ from vllm_hs.series.port import (
     to_old_line,
 )
 from vllm_hs.series.refresh import FORMAT_PATCH_OPTIONS, refresh
-from vllm_hs.testing.git import git_env
+from vllm_hs_testing.git import git_env
 
 GIT_ENV = git_env()
 

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 from vllm_hs.patched_vllm import skip_reason
-from vllm_hs.testing import expected_model_runner
+from vllm_hs_testing import expected_model_runner
 
 SKIP_REASON = skip_reason()
 
-from vllm_hs.testing.server import (  # noqa: E402
+from vllm_hs_testing.server import (  # noqa: E402
     HS_CONFIG,
     REFS_API_KEY,
     REFS_MAX_BYTES,
@@ -96,7 +96,7 @@ class _Servers:
                 "refs": HS_CONFIG,
             }.get(name)
             # The worker probe answers the dev-mode /collective_rpc route.
-            probe = ["--worker-extension-cls", "vllm_hs.testing.ChannelStateProbe"]
+            probe = ["--worker-extension-cls", "vllm_hs_testing.ChannelStateProbe"]
             refs = (
                 *("--hidden-states-ref-ttl", str(REFS_TTL_S)),
                 *("--hidden-states-ref-max-bytes", str(REFS_MAX_BYTES)),

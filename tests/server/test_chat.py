@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from vllm_hs.testing.server import (
+from vllm_hs_testing.server import (
     Collected,
     Want,
     ask,

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from vllm_hs.hf_reference import assert_states_close
-from vllm_hs.testing.harness import HIDDEN, seeded_prompt
-from vllm_hs.testing.server import (
+from vllm_hs_testing.harness import HIDDEN, seeded_prompt
+from vllm_hs_testing.server import (
     Collected,
     Want,
     ask,
@@ -189,7 +189,7 @@ def test_n4_prompt_states_once(oai, served_model, model_dir, stream):
 def test_positions(oai, served_model, model_dir, stream, positions):
     """`positions` over HTTP: payloads hold the selected rows and list their
     positions; streamed, the "last" output row comes in the final chunk."""
-    from vllm_hs.testing.server import reference
+    from vllm_hs_testing.server import reference
 
     prompt = seeded_prompt(12, 15)
     hs = {"layers": [0, "final_norm"], "positions": positions}
@@ -222,7 +222,7 @@ def test_rows_without_return_token_ids(oai, served_model, model_dir, stream):
     (vLLM 0.34.0 renders plain streamed chunks from a template, which would
     skip the rows; its series keeps such requests off that path.) The tokens
     come from the same greedy request with token ids; the rows from HF."""
-    from vllm_hs.testing.server import reference
+    from vllm_hs_testing.server import reference
 
     prompt = seeded_prompt(13, 15)
     tokens = complete(oai, served_model, False, None, prompt=prompt).token_ids[0]

@@ -6,8 +6,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_hs.testing.harness import seeded_prompt
-from vllm_hs.testing.server import (
+from vllm_hs_testing.harness import seeded_prompt
+from vllm_hs_testing.server import (
     Collected,
     Want,
     check,

@@ -9,8 +9,8 @@ from typing import Any
 
 import httpx
 
-from vllm_hs.testing.harness import seeded_prompt
-from vllm_hs.testing.server import (
+from vllm_hs_testing.harness import seeded_prompt
+from vllm_hs_testing.server import (
     Want,
     check,
     collect_response,

@@ -9,8 +9,8 @@ from typing import Any
 import httpx
 import pytest
 
-from vllm_hs.testing.harness import CAP_BYTES, seeded_prompt
-from vllm_hs.testing.server import Want, check, collect_response
+from vllm_hs_testing.harness import CAP_BYTES, seeded_prompt
+from vllm_hs_testing.server import Want, check, collect_response
 
 LONG_PROMPT = seeded_prompt(77, 200)
 LONG_MESSAGE = " ".join(["the red cat sat"] * 60)  # ~240 tokens templated

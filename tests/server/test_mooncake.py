@@ -25,12 +25,12 @@ import torch
 from vllm_hs.client import RefFetcher
 from vllm_hs.hf_reference import assert_states_close, hf_hidden_states
 from vllm_hs.models.tiny import seeded_prompt
-from vllm_hs.testing.extract_output import (
+from vllm_hs_testing.extract_output import (
     assert_speculators_item_equals_hf,
     online_dataset,
 )
-from vllm_hs.testing.mooncake import MooncakeMaster, unavailable_reason
-from vllm_hs.testing.server import ServerProcess
+from vllm_hs_testing.mooncake import MooncakeMaster, unavailable_reason
+from vllm_hs_testing.server import ServerProcess
 
 LAYERS = [1, 2, 3, 4]  # the server's set: speculators' aux layers and the last
 HIDDEN = 128

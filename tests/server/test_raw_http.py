@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from vllm_hs.client import decode
-from vllm_hs.testing.harness import HIDDEN, MAIN_RESOLVED, seeded_prompt
-from vllm_hs.testing.server import (
+from vllm_hs_testing.harness import HIDDEN, MAIN_RESOLVED, seeded_prompt
+from vllm_hs_testing.server import (
     Collected,
     Want,
     check,

@@ -19,8 +19,8 @@ from safetensors.torch import load
 
 from vllm_hs.client import RefFetcher
 from vllm_hs.hf_reference import assert_states_close, hf_hidden_states
-from vllm_hs.testing.harness import HIDDEN, MAIN_LAYERS, seeded_prompt
-from vllm_hs.testing.server import (
+from vllm_hs_testing.harness import HIDDEN, MAIN_LAYERS, seeded_prompt
+from vllm_hs_testing.server import (
     REFS_API_KEY,
     REFS_MAX_BYTES,
     REFS_TTL_S,

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from vllm_hs.hf_reference import hf_greedy
-from vllm_hs.testing.harness import repeated_prompt
-from vllm_hs.testing.server import Want, check, collect_response, collect_stream
+from vllm_hs_testing.harness import repeated_prompt
+from vllm_hs_testing.server import Want, check, collect_response, collect_stream
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from vllm_hs.hf_reference import assert_states_close, hf_hidden_states
-from vllm_hs.testing.extract_output import (
+from vllm_hs_testing.extract_output import (
     assert_speculators_item_equals_hf,
     online_dataset,
 )

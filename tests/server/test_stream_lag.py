@@ -19,8 +19,8 @@ from typing import Any
 import httpx
 import pytest
 
-from vllm_hs.testing.harness import seeded_prompt
-from vllm_hs.testing.server import (
+from vllm_hs_testing.harness import seeded_prompt
+from vllm_hs_testing.server import (
     Collected,
     Want,
     check,

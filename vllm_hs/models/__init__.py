@@ -6,7 +6,6 @@
   draft trained on its states is accepted (the acceptance suite).
 - `eagle3_draft`: an EAGLE-3 draft for a tiny target, trained on its
   continuations (speculative-decoding tests and benchmarks).
-- `architectures`: tiny seeded models of each architecture the channel supports.
 
 Nothing here imports vLLM.
 """

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_hs.testing.server.process import free_port
+from vllm_hs_testing.server.process import free_port
 
 __all__ = ["MooncakeMaster", "master_binary", "unavailable_reason"]
 

@@ -8,7 +8,7 @@
   `Want`).
 """
 
-from vllm_hs.testing.server.checks import (
+from vllm_hs_testing.server.checks import (
     DTYPE,
     Want,
     check,
@@ -17,7 +17,7 @@ from vllm_hs.testing.server.checks import (
     reference,
     resolve,
 )
-from vllm_hs.testing.server.parsing import (
+from vllm_hs_testing.server.parsing import (
     Collected,
     ask,
     collect_response,
@@ -25,7 +25,7 @@ from vllm_hs.testing.server.parsing import (
     get,
     sse_chunks,
 )
-from vllm_hs.testing.server.process import (
+from vllm_hs_testing.server.process import (
     HS_CONFIG,
     REFS_API_KEY,
     REFS_MAX_BYTES,

@@ -79,7 +79,7 @@ def engine(model_dir: str, mode: str = "inproc", **kwargs: Any) -> Iterator[Any]
         max_model_len=512,
         kv_cache_memory_bytes=64 << 20,
         seed=0,
-        worker_extension_cls="vllm_hs.testing.ChannelStateProbe",
+        worker_extension_cls="vllm_hs_testing.ChannelStateProbe",
     )
     options.update(kwargs)
     llm = LLM(model_dir, **options)
@@ -153,7 +153,7 @@ def check_model_runner(llm: Any) -> None:
 
 class ChannelStateProbe:
     """A vLLM worker extension for tests (``worker_extension_cls=
-    "vllm_hs.testing.ChannelStateProbe"``): what the worker side of the channel
+    "vllm_hs_testing.ChannelStateProbe"``): what the worker side of the channel
     still holds, through ``collective_rpc("hidden_states_request_ids")`` (or the
     server's dev-mode ``/collective_rpc``)."""
 

@@ -15,8 +15,8 @@ import torch
 
 from vllm_hs.hf_reference import assert_states_close, hf_sequence_states
 from vllm_hs.layer_ids import resolve_layer_ids
-from vllm_hs.testing.harness import HIDDEN, MAIN_LAYERS, MAIN_RESOLVED, NUM_LAYERS
-from vllm_hs.testing.server.parsing import Collected, get
+from vllm_hs_testing.harness import HIDDEN, MAIN_LAYERS, MAIN_RESOLVED, NUM_LAYERS
+from vllm_hs_testing.server.parsing import Collected, get
 
 DTYPE = torch.float32
 
