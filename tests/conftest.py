@@ -18,7 +18,7 @@ import pytest
 # without Triton); `VLLM_USE_V2_MODEL_RUNNER=0 pytest` runs the tests marked
 # `mrv1` on Model Runner V1: plain generation with the patched wheel, and the
 # refusal of hidden states there (an AuxOutput kind, which needs V2). tox runs
-# both sessions; `vllm_hs_testing.harness.engine` checks every engine's workers
+# both sessions; `vllm_hs_testing.engine` checks every engine's workers
 # run the session's runner.
 _FORCED = os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower()
 RUNNER = "v1" if _FORCED in ("0", "false") else "v2"

@@ -221,7 +221,7 @@ def stage_serve(payload: dict[str, Any]) -> dict[str, Any]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from vllm_hs_testing.harness import engine_metric
+    from vllm_hs_testing.engines import engine_metric
 
     llm = _engine(
         payload,

@@ -11,13 +11,12 @@ import pytest
 
 from vllm_hs.models.tiny import build_tiny_model
 from vllm_hs.patched_vllm import skip_reason
-from vllm_hs_testing.harness import (
+from vllm_hs_testing.engines import MODES, engine
+from vllm_hs_testing.main_engine import (
     BUDGET,
     CAP_BYTES,
     MAIN_LAYERS,
-    MODES,
     PREFIX_STORE_BYTES,
-    engine,
 )
 
 SKIP_REASON = skip_reason()

@@ -18,18 +18,14 @@ from vllm_hs.hf_reference import (
     assert_states_close,
     hf_sequence_states,
 )
+from vllm_hs.models.tiny import seeded_prompt
 from vllm_hs_testing.architectures import (
     ARCHITECTURES,
     ArchSpec,
     build_architecture_model,
 )
-from vllm_hs_testing.harness import (
-    engine,
-    expected_model_runner,
-    greedy,
-    seeded_prompt,
-    tokens_prompt,
-)
+from vllm_hs_testing.engines import engine, expected_model_runner
+from vllm_hs_testing.requests import greedy, tokens_prompt
 
 CHECKED = [name for name, spec in ARCHITECTURES.items() if name != "deepseek_v2"]
 

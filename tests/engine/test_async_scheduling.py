@@ -11,19 +11,16 @@ import torch
 
 from vllm_hs.hf_reference import assert_states_close, hf_greedy, hf_hidden_states
 from vllm_hs.models.tiny import build_tiny_model, seeded_prompt
-from vllm_hs_testing.harness import (
+from vllm_hs_testing.engines import (
     MODES,
     NGRAM,
     PREEMPTING,
-    Expect,
     async_scheduling_on_cpu,
     engine,
     engine_metric,
-    greedy,
-    repeated_prompt,
-    run_cases,
-    tokens_prompt,
 )
+from vllm_hs_testing.hf_checks import Expect, run_cases
+from vllm_hs_testing.requests import greedy, repeated_prompt, tokens_prompt
 
 RESOLVED = [0, 2, 4, "final_norm"]
 

@@ -9,19 +9,16 @@ import pytest
 import torch
 
 from vllm_hs.hf_reference import hf_greedy
-from vllm_hs_testing.harness import (
-    BUDGET,
-    MAIN_RESOLVED,
-    PREFIX_STORE_BLOCKS,
+from vllm_hs.models.tiny import seeded_prompt
+from vllm_hs_testing.engines import worker_request_ids
+from vllm_hs_testing.hf_checks import (
     Expect,
     check_output,
-    greedy,
     rejected_then_served,
     run_cases,
-    seeded_prompt,
-    tokens_prompt,
-    worker_request_ids,
 )
+from vllm_hs_testing.main_engine import BUDGET, MAIN_RESOLVED, PREFIX_STORE_BLOCKS
+from vllm_hs_testing.requests import greedy, tokens_prompt
 
 DTYPE = torch.float32
 

@@ -18,17 +18,10 @@ import torch
 
 from vllm_hs.hf_reference import hf_greedy
 from vllm_hs.models.eagle3_draft import build_eagle3_draft, training_prompts
-from vllm_hs_testing.harness import (
-    Expect,
-    check_stop_inside_drafts,
-    engine,
-    engine_metric,
-    greedy,
-    run_cases,
-    speculation_modes,
-    speculative_cases,
-    tokens_prompt,
-)
+from vllm_hs_testing.engines import engine, engine_metric, speculation_modes
+from vllm_hs_testing.hf_checks import Expect, run_cases
+from vllm_hs_testing.requests import greedy, tokens_prompt
+from vllm_hs_testing.speculative import check_stop_inside_drafts, speculative_cases
 
 LAYERS = [0, 2, -1, "final_norm"]
 RESOLVED = [0, 2, 4, "final_norm"]

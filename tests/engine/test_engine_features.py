@@ -5,16 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_hs_testing.harness import (
-    MODES,
-    PREEMPTING,
-    Expect,
-    engine,
-    engine_metric,
-    greedy,
-    run_cases,
-    seeded_prompt,
-)
+from vllm_hs.models.tiny import seeded_prompt
+from vllm_hs_testing.engines import MODES, PREEMPTING, engine, engine_metric
+from vllm_hs_testing.hf_checks import Expect, run_cases
+from vllm_hs_testing.requests import greedy
 
 
 @pytest.mark.parametrize("mode", MODES)

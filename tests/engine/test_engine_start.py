@@ -9,14 +9,10 @@ import pytest
 import torch
 
 from vllm_hs.hf_reference import hf_greedy
-from vllm_hs_testing.harness import (
-    Expect,
-    check_output,
-    engine,
-    greedy,
-    seeded_prompt,
-    tokens_prompt,
-)
+from vllm_hs.models.tiny import seeded_prompt
+from vllm_hs_testing.engines import engine
+from vllm_hs_testing.hf_checks import Expect, check_output
+from vllm_hs_testing.requests import greedy, tokens_prompt
 
 
 def test_compiled_engines_in_turn_never_reuse_a_stale_graph(llama_fp32):

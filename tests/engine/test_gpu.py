@@ -9,16 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_hs_testing.harness import (
-    MODES,
-    Expect,
-    engine,
-    greedy,
-    run_cases,
-    seeded_prompt,
-    tokens_prompt,
-    worker_request_ids,
-)
+from vllm_hs.models.tiny import seeded_prompt
+from vllm_hs_testing.engines import MODES, engine, worker_request_ids
+from vllm_hs_testing.hf_checks import Expect, run_cases
+from vllm_hs_testing.requests import greedy, tokens_prompt
 
 pytestmark = [
     pytest.mark.gpu,
@@ -26,7 +20,7 @@ pytestmark = [
 ]
 
 # Engine options of every CUDA test: a small share of the GPU, vLLM's own KV
-# cache sizing (the harness default is the CPU one).
+# cache sizing (`vllm_hs_testing.engine`'s default is the CPU one).
 CUDA_ENGINE = dict(
     max_num_batched_tokens=64, gpu_memory_utilization=0.3, kv_cache_memory_bytes=None
 )
@@ -185,7 +179,7 @@ def test_eagle3_speculation_on_cuda(runner):
     with and without states; drafts both accepted and rejected."""
     from vllm_hs.models.eagle3_draft import build_eagle3_draft, training_prompts
     from vllm_hs.models.tiny import build_tiny_model
-    from vllm_hs_testing.harness import engine_metric
+    from vllm_hs_testing.engines import engine_metric
 
     model_dir = str(build_tiny_model("llama", "float32"))
     draft = str(build_eagle3_draft(model_dir))

@@ -8,7 +8,9 @@ from __future__ import annotations
 import pytest
 
 from vllm_hs.hf_reference import hf_greedy
-from vllm_hs_testing.harness import engine, greedy, seeded_prompt, tokens_prompt
+from vllm_hs.models.tiny import seeded_prompt
+from vllm_hs_testing.engines import engine
+from vllm_hs_testing.requests import greedy, tokens_prompt
 
 pytestmark = pytest.mark.mrv1
 

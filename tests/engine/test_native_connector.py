@@ -12,7 +12,9 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 from vllm_hs.hf_reference import assert_states_close, hf_hidden_states
-from vllm_hs_testing.harness import engine, greedy, seeded_prompt, tokens_prompt
+from vllm_hs.models.tiny import seeded_prompt
+from vllm_hs_testing.engines import engine
+from vllm_hs_testing.requests import greedy, tokens_prompt
 
 LAYERS = [1, 2, 3]
 

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from vllm_hs.hf_reference import assert_states_close, hf_sequence_states
-from vllm_hs_testing import expected_model_runner
-from vllm_hs_testing.harness import engine, seeded_prompt, tokens_prompt
+from vllm_hs.models.tiny import seeded_prompt
+from vllm_hs_testing.engines import engine, expected_model_runner
+from vllm_hs_testing.requests import tokens_prompt
 
 LAYERS = [0, -1, "final_norm"]
 RESOLVED = [0, 4, "final_norm"]

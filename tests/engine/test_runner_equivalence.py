@@ -22,15 +22,9 @@ import pytest
 import vllm.envs
 
 from vllm_hs.models.eagle3_draft import build_eagle3_draft, training_prompts
-from vllm_hs_testing.harness import (
-    engine,
-    engine_metric,
-    expected_model_runner,
-    greedy,
-    repeated_prompt,
-    seeded_prompt,
-    tokens_prompt,
-)
+from vllm_hs.models.tiny import seeded_prompt
+from vllm_hs_testing.engines import engine, engine_metric, expected_model_runner
+from vllm_hs_testing.requests import greedy, repeated_prompt, tokens_prompt
 
 LOGPROB_TOL = 1e-4  # fp32 log-softmax over a 1024-token vocabulary
 

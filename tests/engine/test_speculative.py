@@ -11,19 +11,16 @@ import pytest
 import torch
 
 from vllm_hs.hf_reference import hf_greedy
-from vllm_hs_testing.harness import (
+from vllm_hs_testing.engines import (
     NGRAM,
     PREEMPTING,
-    Expect,
-    check_stop_inside_drafts,
     engine,
     engine_metric,
-    greedy,
-    repeated_prompt,
-    run_cases,
     speculation_modes,
-    speculative_cases,
 )
+from vllm_hs_testing.hf_checks import Expect, run_cases
+from vllm_hs_testing.requests import greedy, repeated_prompt
+from vllm_hs_testing.speculative import check_stop_inside_drafts, speculative_cases
 
 LAYERS = [0, 2, -1, "final_norm"]
 RESOLVED = [0, 2, 4, "final_norm"]

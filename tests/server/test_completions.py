@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from vllm_hs.hf_reference import assert_states_close
-from vllm_hs_testing.harness import HIDDEN, seeded_prompt
+from vllm_hs.models.tiny import seeded_prompt
+from vllm_hs_testing.main_engine import HIDDEN
 from vllm_hs_testing.server import (
     Collected,
     Want,

@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_hs_testing.harness import seeded_prompt
+from vllm_hs.models.tiny import seeded_prompt
 from vllm_hs_testing.server import (
     Collected,
     Want,

@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 
-from vllm_hs_testing.harness import seeded_prompt
+from vllm_hs.models.tiny import seeded_prompt
 from vllm_hs_testing.server import (
     Want,
     check,

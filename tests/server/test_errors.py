@@ -9,7 +9,8 @@ from typing import Any
 import httpx
 import pytest
 
-from vllm_hs_testing.harness import CAP_BYTES, seeded_prompt
+from vllm_hs.models.tiny import seeded_prompt
+from vllm_hs_testing.main_engine import CAP_BYTES
 from vllm_hs_testing.server import Want, check, collect_response
 
 LONG_PROMPT = seeded_prompt(77, 200)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from vllm_hs.client import decode
-from vllm_hs_testing.harness import HIDDEN, MAIN_RESOLVED, seeded_prompt
+from vllm_hs.models.tiny import seeded_prompt
+from vllm_hs_testing.main_engine import HIDDEN, MAIN_RESOLVED
 from vllm_hs_testing.server import (
     Collected,
     Want,

@@ -19,7 +19,8 @@ from safetensors.torch import load
 
 from vllm_hs.client import RefFetcher
 from vllm_hs.hf_reference import assert_states_close, hf_hidden_states
-from vllm_hs_testing.harness import HIDDEN, MAIN_LAYERS, seeded_prompt
+from vllm_hs.models.tiny import seeded_prompt
+from vllm_hs_testing.main_engine import HIDDEN, MAIN_LAYERS
 from vllm_hs_testing.server import (
     REFS_API_KEY,
     REFS_MAX_BYTES,

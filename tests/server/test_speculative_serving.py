@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from vllm_hs.hf_reference import hf_greedy
-from vllm_hs_testing.harness import repeated_prompt
+from vllm_hs_testing.requests import repeated_prompt
 from vllm_hs_testing.server import Want, check, collect_response, collect_stream
 
 

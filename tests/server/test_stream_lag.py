@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from vllm_hs_testing.harness import seeded_prompt
+from vllm_hs.models.tiny import seeded_prompt
 from vllm_hs_testing.server import (
     Collected,
     Want,

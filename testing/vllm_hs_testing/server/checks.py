@@ -15,7 +15,7 @@ import torch
 
 from vllm_hs.hf_reference import assert_states_close, hf_sequence_states
 from vllm_hs.layer_ids import resolve_layer_ids
-from vllm_hs_testing.harness import HIDDEN, MAIN_LAYERS, MAIN_RESOLVED, NUM_LAYERS
+from vllm_hs_testing.main_engine import HIDDEN, MAIN_LAYERS, MAIN_RESOLVED, NUM_LAYERS
 from vllm_hs_testing.server.parsing import Collected, get
 
 DTYPE = torch.float32

@@ -15,7 +15,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from vllm_hs_testing.harness import CAP_BYTES, MAIN_LAYERS, poll_until_empty
+from vllm_hs_testing.engines import poll_until_empty
+from vllm_hs_testing.main_engine import CAP_BYTES, MAIN_LAYERS
 
 HS_CONFIG: dict[str, Any] = {"layers": MAIN_LAYERS, "max_bytes_per_request": CAP_BYTES}
 #: The refs test server (tests/server): two API server processes over the shm
