@@ -210,7 +210,7 @@ def _write_target(out: Path, args: dict[str, Any]) -> None:
 
     from vllm_hs.models.tiny import (
         SPECIAL_TOKENS,
-        _normalize_tokenizer_config,
+        normalize_tokenizer_config,
         train_tokenizer,
     )
 
@@ -245,7 +245,7 @@ def _write_target(out: Path, args: dict[str, Any]) -> None:
     model.config.dtype = torch.float32
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    _normalize_tokenizer_config(out / "tokenizer_config.json")
+    normalize_tokenizer_config(out / "tokenizer_config.json")
     info = {
         "language": {
             "alphabet": list(language.alphabet),

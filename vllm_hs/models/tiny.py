@@ -70,8 +70,11 @@ __all__ = [
     "build_cached",
     "build_tiny_model",
     "cache_root",
+    "normalize_tokenizer_config",
     "param_seed",
+    "seeded_prompt",
     "tiny_model_info",
+    "train_tokenizer",
 ]
 
 #: Bump when the files a build writes change for the same arguments.
@@ -280,7 +283,7 @@ def _write_model(out: Path, args: dict[str, Any]) -> None:
     )
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    _normalize_tokenizer_config(out / "tokenizer_config.json")
+    normalize_tokenizer_config(out / "tokenizer_config.json")
 
     config_json = json.loads((out / "config.json").read_text())
     if config_json.get("dtype", config_json.get("torch_dtype")) != args["dtype"]:
@@ -368,7 +371,7 @@ def train_tokenizer(seed: int, vocab_size: int) -> Any:
     )
 
 
-def _normalize_tokenizer_config(path: Path) -> None:
+def normalize_tokenizer_config(path: Path) -> None:
     """Name the class ``PreTrainedTokenizerFast`` (transformers 5 writes its alias
     ``TokenizersBackend``); both load it, the former also in older versions."""
     data = json.loads(path.read_text())
