@@ -84,9 +84,11 @@ def _state(kind: str):
 
 
 def _engine_output(rows: torch.Tensor):
-    from vllm.v1.engine import EngineCoreOutput
+    from vllm.v1.engine import AuxOutputs, EngineCoreOutput
 
-    return EngineCoreOutput(request_id="r", new_token_ids=[0], hidden_states=rows)
+    return EngineCoreOutput(
+        request_id="r", new_token_ids=[0], aux_outputs=AuxOutputs(hidden_states=rows)
+    )
 
 
 @pytest.mark.parametrize("trim", [False, True])
