@@ -7,7 +7,7 @@ script's own code has finished), VLLM_HS_EXIT_RUNS times (default 4), two at a
 time; about 2 minutes on 2 cores. The scenario is the one the abort was seen
 with: prefix caching, chunked prefill (48-token budget), a mixed batch of 11
 requests with and without states, two rounds, then an n=2 request, with HF
-transformers loaded in the same process. Patch 0010 joins the sync engine
+transformers loaded in the same process. Patch 0004 joins the sync engine
 client's output thread at shutdown, the daemon thread that decodes tensors.
 """
 

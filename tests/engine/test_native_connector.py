@@ -1,4 +1,4 @@
-"""Patch 0008: vLLM's own extract_hidden_states path runs on CPU (our benchmark
+"""Patch 0002: vLLM's own extract_hidden_states path runs on CPU (our benchmark
 baseline): right rows in its files, and finished requests are released.
 
 Native convention: `eagle_aux_hidden_state_layer_ids` k is the residual stream
