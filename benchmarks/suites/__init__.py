@@ -3,7 +3,7 @@
 
 Engine suites share `EngineSettings` (the batch, model, rounds and engine
 options) and run each measurement in a `benchmarks.workload` process; the
-others (extraction, storage, prefix_store, ray_extract, payload, ref_store,
+others (extraction, gather, storage, prefix_store, ray_extract, payload, ref_store,
 response_encoding, acceptance) have settings of their own. What each figure
 compares is in its module's text and in its result file's description.
 """
@@ -17,6 +17,7 @@ from benchmarks.result import Result
 from benchmarks.suites import (
     acceptance,
     extraction,
+    gather,
     generation,
     native,
     payload,
@@ -126,6 +127,14 @@ SUITES: dict[str, Suite] = {
             ("extract", "states", "plain", "hf"),
             extraction.ExtractionSettings,
             extraction.measure,
+        ),
+        Suite(
+            "gather",
+            "the worker's gather of a step's rows (vLLM's prepare) against "
+            "index_select + stack, at an 8B shape",
+            ("index_select + stack", "prepare"),
+            gather.GatherSettings,
+            gather.measure,
         ),
         Suite(
             "storage",
