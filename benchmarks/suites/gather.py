@@ -2,7 +2,7 @@
 vLLM's `HiddenStatesWorker.prepare` (the patched wheel installed here: one
 tensor for the step, each layer's rows copied into it once) against the form
 it replaced (`index_select` per layer, then `torch.stack`: every row copied
-twice), on the same sources, alternating round by round. A prefill step of
+twice), on the same sources, in rounds whose order rotates. A prefill step of
 `step_rows` prompt rows, every row and all `layers` layers wanted; on CUDA when
 torch sees a GPU, else on CPU. Each round checks that both give the same rows.
 
@@ -14,12 +14,14 @@ Writes benchmarks/results/v<vllm version>/gather.json.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
 from benchmarks.protocol import option
-from benchmarks.result import Result, Summary
+from benchmarks.result import Result, summarize
+from benchmarks.rounds import run_rounds
 
 
 @dataclass
@@ -84,44 +86,50 @@ def measure(args: GatherSettings) -> list[Result]:
     hidden, aux = sources[-1], sources[:-1]
     index = torch.arange(args.step_rows, device=device)
 
-    def sync() -> None:
-        if device == "cuda":
-            torch.cuda.synchronize()
-
-    rounds = []
-    for i in range(args.rounds + 1):  # round 0 warms up
-        timings = {}
-        for side in ("stack", "prepare") if i % 2 == 0 else ("prepare", "stack"):
-            sync()
+    def timed(gather: Callable[[], Any]) -> Callable[[], dict[str, Any]]:
+        def side() -> dict[str, Any]:
+            if device == "cuda":
+                torch.cuda.synchronize()
             start = time.perf_counter()
-            if side == "stack":
-                rows = _stacked(sources, index)
-            else:
-                step = worker.prepare(batch, hidden, aux)
-                assert step is not None and step.rows_device is not None
-                rows = step.rows_device
-            sync()
-            timings[side] = time.perf_counter() - start
-            timings[side + "_rows"] = rows
-        if not torch.equal(timings.pop("stack_rows"), timings.pop("prepare_rows")):
+            rows = gather()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            return {"seconds": time.perf_counter() - start, "rows": rows}
+
+        return side
+
+    def prepared() -> Any:
+        step = worker.prepare(batch, hidden, aux)
+        assert step is not None and step.rows_device is not None
+        return step.rows_device
+
+    sides = {
+        "stack": timed(lambda: _stacked(sources, index)),
+        "prepare": timed(prepared),
+    }
+    rounds = []
+    # Round 0 warms up; the order of the sides rotates round by round.
+    for i, got in enumerate(run_rounds(args.rounds + 1, sides)):
+        stack, prepare = got["stack"], got["prepare"]
+        if not torch.equal(stack.pop("rows"), prepare.pop("rows")):
             raise AssertionError("prepare's rows differ from the stacked rows")
-        if i:
-            rounds.append(
-                {
-                    "round": i,
-                    "stack_s": timings["stack"],
-                    "prepare_s": timings["prepare"],
-                    "ratio": timings["prepare"] / timings["stack"],
-                }
-            )
-            print(
-                f"  round {i}: prepare {timings['prepare'] * 1e3:.1f} ms, "
-                f"index_select + stack {timings['stack'] * 1e3:.1f} ms",
-                flush=True,
-            )
+        if not i:
+            continue
+        rounds.append(
+            {
+                "round": i,
+                "stack_s": stack["seconds"],
+                "prepare_s": prepare["seconds"],
+                "ratio": prepare["seconds"] / stack["seconds"],
+            }
+        )
+        print(
+            f"  round {i}: prepare {prepare['seconds'] * 1e3:.1f} ms, "
+            f"index_select + stack {stack['seconds'] * 1e3:.1f} ms",
+            flush=True,
+        )
     worker.close()
     step_bytes = args.step_rows * args.layers * args.hidden_size * dtype.itemsize
-    ratios = sorted(r["ratio"] for r in rounds)
     return [
         Result(
             suite="gather",
@@ -136,14 +144,12 @@ def measure(args: GatherSettings) -> list[Result]:
                 "vllm": vllm.__version__,
             },
             rounds=rounds,
-            summary=Summary(
-                metric="time of the worker's gather per step: vLLM's prepare / "
+            summary=summarize(
+                [r["ratio"] for r in rounds],
+                "time of the worker's gather per step: vLLM's prepare / "
                 "index_select + stack",
                 higher_is_better=False,
                 aim=None,
-                median=ratios[len(ratios) // 2],
-                min=ratios[0],
-                max=ratios[-1],
             ),
             extra={
                 "bytes_copied_per_step": {
