@@ -36,6 +36,7 @@ QUICK = [
     "tests/test_outputs.py",
     "tests/v1/test_serial_utils.py",
     "tests/v1/hidden_states/test_positions.py",
+    "tests/v1/hidden_states/test_buffer.py",
     "tests/distributed/aux_output_connector/test_hidden_states.py",
     # AuxOutput's own tests: routed experts behave as before.
     "tests/distributed/aux_output_connector/test_store.py",
