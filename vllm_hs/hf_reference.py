@@ -97,7 +97,7 @@ def load_hf_model(model_dir: Path | str, dtype: torch.dtype | str | None = None)
     cached per (resolved directory, dtype) for the life of the process; callers
     must not modify the returned model.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     directory = str(Path(model_dir).resolve())
     torch_dtype = _as_dtype(dtype)
@@ -106,7 +106,13 @@ def load_hf_model(model_dir: Path | str, dtype: torch.dtype | str | None = None)
     key = (directory, torch_dtype)
     model = _MODEL_CACHE.get(key)
     if model is None:
-        model = AutoModelForCausalLM.from_pretrained(
+        config = json.loads((Path(directory) / "config.json").read_text())
+        auto = (
+            AutoModelForImageTextToText
+            if "vision_config" in config
+            else AutoModelForCausalLM
+        )
+        model = auto.from_pretrained(
             directory, dtype=torch_dtype, attn_implementation="eager", device_map=None
         )
         model.to("cpu").eval()
@@ -159,6 +165,7 @@ def hf_hidden_states(
     layers: Sequence[LayerId],
     *,
     dtype: torch.dtype | str | None = None,
+    images: Sequence[Any] = (),
 ) -> torch.Tensor:
     """Hidden states ``[T, K, H]`` of ``token_ids`` at ``layers`` (module docstring
     for the id convention), in the model's dtype, from one forward pass.
@@ -167,9 +174,16 @@ def hf_hidden_states(
     included): id ``k < L`` is the ``hidden_states`` input of decoder layer
     ``k``, ``L`` the input of the final norm and ``final_norm`` its output.
     Where HF's ``output_hidden_states`` has ``L + 1`` entries they must agree
-    with the hooks exactly."""
+    with the hooks exactly.
+
+    A vision-language model gets ``images`` (PIL images, in prompt order), made
+    into pixels by the model's own image processor: ``token_ids`` then hold
+    the expanded prompt, one image token per image embedding, as vLLM's
+    ``prompt_token_ids`` do."""
     model = load_hf_model(model_dir, dtype)
     inner = _find_attr(model, _INNER_MODEL_NAMES)
+    if not hasattr(inner, "layers") and hasattr(inner, "language_model"):
+        inner = inner.language_model
     decoder_layers = _find_attr(inner, _LAYER_LIST_NAMES)
     norm = _find_attr(inner, _FINAL_NORM_NAMES)
     text_config = model.config.get_text_config()
@@ -203,12 +217,11 @@ def hf_hidden_states(
     ]
     handles.append(norm.register_forward_pre_hook(norm_input))
     handles.append(norm.register_forward_hook(norm_output))
+    inputs = {"input_ids": torch.tensor([ids], dtype=torch.long)}
+    if images:
+        inputs.update(_image_inputs(model_dir, model.config, ids, images))
     try:
-        out = model(
-            input_ids=torch.tensor([ids], dtype=torch.long),
-            output_hidden_states=True,
-            use_cache=False,
-        )
+        out = model(**inputs, output_hidden_states=True, use_cache=False)
     finally:
         for handle in handles:
             handle.remove()
@@ -227,6 +240,32 @@ def hf_hidden_states(
     return torch.stack(columns, dim=1).contiguous()
 
 
+def _image_inputs(
+    model_dir: Path | str, config: Any, ids: list[int], images: Sequence[Any]
+) -> dict[str, torch.Tensor]:
+    """The vision inputs of a forward over ``ids``: pixels and grids from the
+    model's image processor, and the token types that place the image
+    positions (without them transformers' Qwen2-VL family falls back to 1-D
+    positions)."""
+    from transformers import AutoImageProcessor
+
+    processor = AutoImageProcessor.from_pretrained(str(model_dir))
+    vision = processor(images=list(images), return_tensors="pt")
+    grid = vision["image_grid_thw"]
+    num_embeds = int(grid.prod(dim=-1).sum()) // processor.merge_size**2
+    types = [int(t == config.image_token_id) for t in ids]
+    if sum(types) != num_embeds:
+        raise ValueError(
+            f"{sum(types)} image tokens in the sequence for {len(images)} images "
+            f"of {num_embeds} embeddings"
+        )
+    return {
+        "pixel_values": vision["pixel_values"],
+        "image_grid_thw": grid,
+        "mm_token_type_ids": torch.tensor([types], dtype=torch.long),
+    }
+
+
 def hf_sequence_states(
     model_dir: Path | str,
     prompt_ids: Sequence[int],
@@ -234,6 +273,7 @@ def hf_sequence_states(
     layers: Sequence[LayerId],
     *,
     dtype: torch.dtype | str | None = None,
+    images: Sequence[Any] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """States for a prompt and its generated tokens: ``(prompt_rows [P, K, H],
     output_rows [G - 1, K, H])``.
@@ -244,7 +284,9 @@ def hf_sequence_states(
     """
     prompt = [int(t) for t in prompt_ids]
     output = [int(t) for t in output_ids]
-    states = hf_hidden_states(model_dir, prompt + output[:-1], layers, dtype=dtype)
+    states = hf_hidden_states(
+        model_dir, prompt + output[:-1], layers, dtype=dtype, images=images
+    )
     return states[: len(prompt)], states[len(prompt) :]
 
 

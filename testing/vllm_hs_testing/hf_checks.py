@@ -54,11 +54,13 @@ def check_output(
     dtype: torch.dtype | str,
     what: str,
     tolerance_dtype: torch.dtype | str | None = None,
+    images: Sequence[Any] = (),
 ) -> None:
     """Check every hidden-state row of one RequestOutput (all completions).
 
     The reference runs in `dtype`; tolerances are those of `tolerance_dtype`
-    (default: `dtype`)."""
+    (default: `dtype`). `images`: the request's images, in prompt order, for a
+    vision-language model."""
     tol_dtype = dtype if tolerance_dtype is None else tolerance_dtype
     prompt_ids = list(request_output.prompt_token_ids)
     if expect is None:
@@ -74,7 +76,7 @@ def check_output(
     for completion in request_output.outputs:
         token_ids = list(completion.token_ids)
         ref_prompt, ref_output = hf_sequence_states(
-            model_dir, prompt_ids, token_ids, expect.layers, dtype=dtype
+            model_dir, prompt_ids, token_ids, expect.layers, dtype=dtype, images=images
         )
         label = f"{what} completion {completion.index}"
         if expect.prompt and not checked_prompt:

@@ -72,6 +72,7 @@ __all__ = [
     "cache_root",
     "normalize_tokenizer_config",
     "param_seed",
+    "redraw_weights",
     "seeded_prompt",
     "tiny_model_info",
     "train_tokenizer",
@@ -275,7 +276,7 @@ def _write_model(out: Path, args: dict[str, Any]) -> None:
     torch_dtype = getattr(torch, args["dtype"])
     torch.manual_seed(args["seed"])
     model = arch_cls(config)
-    _redraw_weights(model, args["seed"])
+    redraw_weights(model, args["seed"])
     model = model.to(torch_dtype)
     model.config.dtype = torch_dtype
     model.generation_config = transformers.GenerationConfig(
@@ -295,8 +296,19 @@ def param_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def _redraw_weights(model: Any, seed: int) -> None:
-    """Redraw every parameter in float32 from a generator keyed by (seed, name)."""
+def redraw_weights(
+    model: Any,
+    seed: int,
+    *,
+    norm_modules: tuple[str, ...] = (),
+    qk_modules: tuple[str, ...] = ("q_proj", "k_proj"),
+    std: Callable[[str, Any], float | None] | None = None,
+) -> None:
+    """Redraw every parameter in float32 from a generator keyed by (seed, name):
+    norms (modules named ``*norm*`` or in `norm_modules`) ``1 + N(0,
+    NORM_NOISE_STD)``, `qk_modules` ``N(0, QK_STD)``, the rest ``N(0,
+    WEIGHT_STD)``; ``std(name, param)``, when given and not None, overrides the
+    standard deviation of a parameter."""
     import torch
 
     with torch.no_grad():
@@ -304,9 +316,12 @@ def _redraw_weights(model: Any, seed: int) -> None:
             gen = torch.Generator(device="cpu").manual_seed(param_seed(seed, name))
             module_name = name.rsplit(".", 2)[-2] if name.count(".") else ""
             noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
-            if "norm" in module_name:
+            override = std(name, param) if std is not None else None
+            if override is not None:
+                value = override * noise
+            elif "norm" in module_name or module_name in norm_modules:
                 value = 1.0 + NORM_NOISE_STD * noise
-            elif module_name in ("q_proj", "k_proj"):
+            elif module_name in qk_modules:
                 value = QK_STD * noise
             else:
                 value = WEIGHT_STD * noise
@@ -336,8 +351,17 @@ def _synthetic_corpus(seed: int, num_lines: int) -> list[str]:
     return lines
 
 
-def train_tokenizer(seed: int, vocab_size: int) -> Any:
-    """Train a byte-level BPE tokenizer with exactly `vocab_size` entries."""
+def train_tokenizer(
+    seed: int,
+    vocab_size: int,
+    special_tokens: tuple[str, ...] = SPECIAL_TOKENS,
+    chat_template: str = CHAT_TEMPLATE,
+) -> Any:
+    """Train a byte-level BPE tokenizer with exactly `vocab_size` entries;
+    `special_tokens` take the first ids, in order (they must start with
+    `SPECIAL_TOKENS`)."""
+    if special_tokens[: len(SPECIAL_TOKENS)] != SPECIAL_TOKENS:
+        raise ValueError(f"special_tokens must start with {SPECIAL_TOKENS}")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -348,7 +372,7 @@ def train_tokenizer(seed: int, vocab_size: int) -> Any:
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=1,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -358,7 +382,7 @@ def train_tokenizer(seed: int, vocab_size: int) -> Any:
             f"the synthetic corpus yields {tok.get_vocab_size()} tokens, not "
             f"vocab_size={vocab_size}; use a smaller vocab_size"
         )
-    for i, token in enumerate(SPECIAL_TOKENS):
+    for i, token in enumerate(special_tokens):
         if tok.token_to_id(token) != i:
             raise RuntimeError(f"special token {token} is not id {i}")
     return PreTrainedTokenizerFast(
@@ -366,8 +390,8 @@ def train_tokenizer(seed: int, vocab_size: int) -> Any:
         bos_token=BOS_TOKEN,
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
-        additional_special_tokens=[IM_START, IM_END],
-        chat_template=CHAT_TEMPLATE,
+        additional_special_tokens=list(special_tokens[3:]),
+        chat_template=chat_template,
     )
 
 
