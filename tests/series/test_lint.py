@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import shutil
 from pathlib import Path
@@ -10,8 +11,8 @@ import pytest
 
 from vllm_hs.cli import main
 from vllm_hs.series.git import Repo
-from vllm_hs.series.lint import lint_series, mypy_problems
-from vllm_hs.series.model import available_versions
+from vllm_hs.series.lint import header_problems, lint_series, mypy_problems
+from vllm_hs.series.model import available_versions, load_series
 
 SERIES_ROOT = Path(__file__).resolve().parents[2] / "patches"
 VERSIONS = available_versions(SERIES_ROOT)
@@ -173,3 +174,19 @@ def test_mypy_reports_errors_in_the_modules_the_series_adds(tmp_path: Path) -> N
     tests_error, module_error = sorted(problems)
     assert tests_error.startswith("tests/test_new.py:3: Unsupported operand types")
     assert module_error.startswith("vllm/new.py:2: Incompatible return value type")
+
+
+def test_a_backport_names_the_release_it_comes_from() -> None:
+    series = load_series(SERIES_ROOT, "0.32.0")
+    backports = [
+        p for p in series.patches if p.headers["Upstream-Status"].startswith("Backport")
+    ]
+    assert backports, "v0.32.0 carries a backport"
+    patch = backports[0]
+    assert header_problems(patch, "0.32.0") == []
+    for status in ("Backport", "Backport 0.34.0", "Backport vLLM next"):
+        headers = {**patch.headers, "Upstream-Status": status}
+        bad = dataclasses.replace(patch, headers=headers)
+        assert any("Upstream-Status" in p for p in header_problems(bad, "0.32.0")), (
+            status
+        )

@@ -4,7 +4,8 @@ For each series (default: every `patches/v<X>/`):
 
 * series: every listed patch exists, no `*.patch` file is left unlisted;
 * header: a `[Tag] Subject` (vLLM's PR title style), a description, `Upstream-Status:`
-  (Pending | Submitted <url> | Accepted <url> | Not-for-upstream [reason]),
+  (Pending | Submitted <url> | Accepted <url> | Backport vLLM <X.Y.Z> |
+  Not-for-upstream [reason]; Backport: the change is upstream from that release on),
   `vLLM-Version: <X>`, no `Signed-off-by:` (the DCO needs a person: `vllm-hs
   stage` signs each commit off as whoever stages it) and, on a
   fix proposed as its own PR rather than as part of the channel's,
@@ -57,7 +58,8 @@ from vllm_hs.series.tree import FORMAT_PATCH_OPTIONS, import_release
 logger = logging.getLogger(__name__)
 
 _STATUS_RE = re.compile(
-    r"^(Pending|(Submitted|Accepted) https?://\S+|Not-for-upstream(\s.+)?)$"
+    r"^(Pending|(Submitted|Accepted) https?://\S+|Backport vLLM \d+\.\d+\.\d+"
+    r"|Not-for-upstream(\s.+)?)$"
 )
 _TAGGED_SUBJECT_RE = re.compile(r"^\[[A-Za-z0-9][\w./ -]*\] \S")
 # mypy's "path:line: error: message  [code]" lines.
@@ -213,7 +215,7 @@ def header_problems(patch: Patch, version: str) -> list[str]:
     elif not _STATUS_RE.match(status):
         problems.append(
             f"Upstream-Status {status!r} is not Pending, Submitted <url>, "
-            "Accepted <url> or Not-for-upstream"
+            "Accepted <url>, Backport vLLM <X.Y.Z> or Not-for-upstream"
         )
     target = patch.headers.get("vLLM-Version")
     if target is None:
