@@ -267,7 +267,7 @@ def test_real_series_is_well_formed() -> None:
             )
         assert patch.headers.get("vLLM-Version") == "0.32.0", patch.name
         assert patch.headers.get("Upstream-Status", "").startswith(
-            ("Pending", "Submitted", "Not-for-upstream", "Accepted")
+            ("Pending", "Submitted", "Not-for-upstream", "Accepted", "Backport vLLM ")
         ), patch.name
         assert "vllm/_vllm_hs.json" not in patch.touched_paths
 
