@@ -195,6 +195,12 @@ def hf_hidden_states(
     ids = _check_token_ids(token_ids, text_config.vocab_size)
     resolved = resolve_layer_ids(layers, num_layers)
 
+    # Built before the hooks go on the cached model: a refused image input
+    # must not leave them there.
+    inputs = {"input_ids": torch.tensor([ids], dtype=torch.long)}
+    if images:
+        inputs.update(_image_inputs(model_dir, model.config, ids, images))
+
     captured: dict[LayerId, torch.Tensor] = {}
 
     def layer_input(k: int) -> Any:
@@ -217,9 +223,6 @@ def hf_hidden_states(
     ]
     handles.append(norm.register_forward_pre_hook(norm_input))
     handles.append(norm.register_forward_hook(norm_output))
-    inputs = {"input_ids": torch.tensor([ids], dtype=torch.long)}
-    if images:
-        inputs.update(_image_inputs(model_dir, model.config, ids, images))
     try:
         out = model(**inputs, output_hidden_states=True, use_cache=False)
     finally:

@@ -34,3 +34,15 @@ def test_an_image_sent_to_a_text_only_model_is_refused():
         check_output(
             out[0], model_dir, Expect(layers=[1]), torch.float32, "after the refusal"
         )
+
+
+def test_a_reference_refused_for_its_images_leaves_no_hooks(vl_fp32):
+    from vllm_hs.hf_reference import hf_hidden_states, load_hf_model
+
+    # No image token in the sequence for one image: refused before any hook.
+    with pytest.raises(ValueError, match="image tokens"):
+        hf_hidden_states(
+            vl_fp32, [9, 10, 11], [1], dtype=torch.float32, images=[seeded_image(1)]
+        )
+    model = load_hf_model(vl_fp32, torch.float32)
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())

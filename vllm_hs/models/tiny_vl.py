@@ -41,7 +41,6 @@ from vllm_hs.models.tiny import (
 )
 
 __all__ = [
-    "ARCHITECTURE",
     "IMAGE_TOKEN",
     "VL_SPECIAL_TOKENS",
     "build_tiny_vl_model",
@@ -50,8 +49,6 @@ __all__ = [
 
 #: Bump when the files a build writes change for the same arguments.
 FORMAT_VERSION = 1
-
-ARCHITECTURE = "Qwen2_5_VLForConditionalGeneration"
 
 VISION_START, VISION_END, IMAGE_TOKEN, VIDEO_TOKEN = (
     "<|vision_start|>",
@@ -219,12 +216,10 @@ def _write_model(out: Path, args: dict[str, Any]) -> None:
     (out / "chat_template.jinja").write_text(VL_CHAT_TEMPLATE)
     # Written here, not by a processor class: the same files whether or not
     # torchvision is installed.
-    for kind in ("image", "video"):
-        name = (
-            "preprocessor_config.json"
-            if kind == "image"
-            else f"{kind}_preprocessor_config.json"
-        )
+    for name, kind in (
+        ("preprocessor_config.json", "image"),
+        ("video_preprocessor_config.json", "video"),
+    ):
         (out / name).write_text(
             json.dumps(_processor_config(kind), indent=2, sort_keys=True) + "\n"
         )
