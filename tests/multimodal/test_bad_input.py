@@ -46,3 +46,45 @@ def test_a_reference_refused_for_its_images_leaves_no_hooks(vl_fp32):
         )
     model = load_hf_model(vl_fp32, torch.float32)
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+
+
+def test_layers_a_deepstack_decoder_changes_are_refused_at_start(tmp_path):
+    """Qwen3-VL adds its vision encoder's features to the residual stream after
+    its first decoder layers (deepstack): there the state entering layer k is
+    not HF's hidden_states[k] at image positions. Those ids are refused when
+    the engine is configured, naming the model and the ids it serves."""
+    from transformers import Qwen3VLConfig
+    from vllm import LLM
+
+    config = Qwen3VLConfig(
+        text_config={
+            "num_hidden_layers": 4,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 32,
+            "vocab_size": 512,
+        },
+        vision_config={
+            "depth": 2,
+            "hidden_size": 32,
+            "out_hidden_size": 64,
+            "num_heads": 2,
+            "intermediate_size": 64,
+            "deepstack_visual_indexes": [0, 1],
+        },
+    )
+    config.architectures = ["Qwen3VLForConditionalGeneration"]
+    config.save_pretrained(tmp_path)
+    with pytest.raises(
+        ValueError,
+        match=r"Qwen3VLForConditionalGeneration adds .*deepstack.* layers 1\.\.2, "
+        r"so layer ids \[2\] .* Use ids 0, 3\.\.4 or 'final_norm'",
+    ):
+        LLM(
+            model=str(tmp_path),
+            load_format="dummy",
+            skip_tokenizer_init=True,
+            hidden_states_config={"layers": [2, 4]},
+        )
