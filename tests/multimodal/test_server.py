@@ -1,5 +1,6 @@
 """The OpenAI-compatible server on the tiny Qwen2.5-VL: chat requests with
-`image_url` parts (data URLs) return hidden states, inline and by reference,
+`image_url` parts (data URLs, and local files under
+`--allowed-local-media-path`) return hidden states, inline and by reference,
 equal to HF's forward with the same pixels; bad image input gets a clear 400
 and the server keeps serving."""
 
@@ -22,8 +23,16 @@ from vllm_hs_testing.vision import VL_BLOCK, VL_LAYERS
 
 
 @pytest.fixture(scope="module")
+def media_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The server's --allowed-local-media-path, holding one PNG."""
+    folder = tmp_path_factory.mktemp("media")
+    seeded_image(32, 84, 56).save(folder / "picture.png")
+    return folder
+
+
+@pytest.fixture(scope="module")
 def vl_server(
-    vl_fp32: str, tmp_path_factory: pytest.TempPathFactory
+    vl_fp32: str, media_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
     server = ServerProcess(
         vl_fp32,
@@ -34,6 +43,8 @@ def vl_server(
             '{"image": 2, "video": 0}',
             "--block-size",
             str(VL_BLOCK),
+            "--allowed-local-media-path",
+            str(media_dir),
         ],
     ).start()
     try:
@@ -98,15 +109,48 @@ def test_an_unreadable_image_is_refused_and_the_server_serves_on(vl_server):
     assert after.status_code == 200, after.text
 
 
-LOCAL_FILE = {"type": "image_url", "image_url": {"url": "file:///tmp/picture.png"}}
+def _file_part(path: Path) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": f"file://{path}"}}
 
 
-def test_a_local_file_url_without_the_allowed_path_names_the_option(vl_server):
-    response = _chat(
-        vl_server, [LOCAL_FILE, {"type": "text", "text": "What?"}], hidden_states={}
+def test_chat_with_a_local_file_image(vl_server, vl_fp32, media_dir):
+    from PIL import Image
+
+    path = media_dir / "picture.png"
+    content = [_file_part(path), {"type": "text", "text": "What is it?"}]
+    response = _chat(vl_server, content, hidden_states={})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    states = from_response(body)
+    with Image.open(path) as image:
+        pixels = image.convert("RGB")
+    want_prompt, want_output = hf_sequence_states(
+        vl_fp32,
+        body["prompt_token_ids"],
+        body["choices"][0]["token_ids"],
+        VL_LAYERS,
+        dtype=torch.float32,
+        images=[pixels],
     )
-    assert response.status_code != 200
-    assert "--allowed-local-media-path" in response.text, response.text
+    assert_states_close(states.prompt(), want_prompt, dtype=torch.float32)
+    assert_states_close(states.output(), want_output, dtype=torch.float32)
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        # 400 with the series' fix (was 500, the OSError of reading it).
+        ("missing.png", "Cannot read the local media file"),
+        ("../outside.png", "must be a subpath"),
+    ],
+)
+def test_a_local_file_the_server_may_not_read_is_refused(
+    vl_server, media_dir, name, message
+):
+    content = [_file_part(media_dir / name), {"type": "text", "text": "What?"}]
+    response = _chat(vl_server, content, hidden_states={})
+    assert response.status_code == 400, response.text
+    assert message in response.text, response.text
     after = _chat(vl_server, [{"type": "text", "text": "Hi."}], hidden_states={})
     assert after.status_code == 200, after.text
 

@@ -34,6 +34,7 @@ QUICK = [
     "tests/model_executor/test_aux_hidden_state_layer0.py",
     "tests/v1/engine/test_sync_client_output_thread_shutdown.py",
     "tests/multimodal/media/test_local_file_url.py",
+    "tests/multimodal/media/test_unreadable_local_file.py",
     "tests/test_outputs.py",
     "tests/v1/test_serial_utils.py",
     "tests/v1/hidden_states/test_positions.py",
