@@ -223,6 +223,24 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="S",
         help="per-test timeout in seconds (pytest-timeout; default 300)",
     )
+    parser.add_argument(
+        "--each-patch",
+        action="store_true",
+        help=(
+            "instead: per patch, run the test modules it adds or changes at its "
+            "own commit (vllm_hs.series.patch_tests)"
+        ),
+    )
+    parser.add_argument(
+        "--beneath",
+        nargs="+",
+        default=[],
+        metavar="PATCH",
+        help=(
+            "with --each-patch: apply these later patches of the series under "
+            "every earlier commit (v0.32.0's CPU platform patch)"
+        ),
+    )
     add_series_dir_option(parser)
     parser.set_defaults(handler=run_upstream_tests)
 
@@ -232,6 +250,10 @@ def run_upstream_tests(args: argparse.Namespace) -> int:
     require("--report", args.report, writable_file)
     require("--keep", args.keep, new_path)
     require("--timeout", args.timeout, positive)
+    if args.each_patch:
+        return _run_each_patch(args)
+    if args.beneath:
+        raise VllmHsError("--beneath goes with --each-patch")
     comparison = compare(
         args.version,
         series_root=args.series_dir,
@@ -246,6 +268,26 @@ def run_upstream_tests(args: argparse.Namespace) -> int:
         atomic_write_text(args.report, report)
     print(report)
     return EXIT_ERROR if comparison.regressions or comparison.new_failures else EXIT_OK
+
+
+def _run_each_patch(args: argparse.Namespace) -> int:
+    from vllm_hs.series import patch_tests
+
+    if args.tests or args.extended:
+        raise VllmHsError("--each-patch runs each patch's own tests: no --tests")
+    results = patch_tests.each_patch(
+        args.version,
+        series_root=args.series_dir,
+        sdist=args.sdist,
+        beneath=args.beneath,
+        keep=args.keep,
+        timeout=args.timeout,
+    )
+    report = patch_tests.report(args.version, args.beneath, results)
+    if args.report is not None:
+        atomic_write_text(args.report, report)
+    print(report)
+    return EXIT_ERROR if any(r.failures for r in results) else EXIT_OK
 
 
 def listed_tests(
