@@ -3,6 +3,7 @@ against hand-derived renderings, planning, layer ids, the shipped data set."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from vllm_hs.errors import VllmHsError
+from vllm_hs.extract.images import collapse_image_runs, expand_loss_mask
 from vllm_hs.extract.inputs import (
     ConversationError,
     LossMaskError,
@@ -122,8 +124,22 @@ def test_saved_datasets_directory(tmp_path: Path, need_datasets):
             r"bad\.jsonl:2: turn 0: unknown 'from' 'bot'",
         ),
         (
+            '{"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}',
+            r"bad\.jsonl:2: turn 0: content part 'input_audio' is not supported",
+        ),
+        (
             '{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
-            r"bad\.jsonl:2: turn 0: content part 'image_url' is not supported",
+            r"bad\.jsonl:2: turn 0: image_url part without a URL or path",
+        ),
+        (
+            '{"messages": [{"role": "user", "content": [{"type": "image", '
+            '"image": "x"}]}]}',
+            r"bad\.jsonl:2: turn 0: image part with keys \['image'\]: give 'path'",
+        ),
+        (
+            '{"messages": [{"role": "user", "content": [{"type": "image_url", '
+            '"image_url": {"url": "https://example.com/a.png"}}]}]}',
+            r"bad\.jsonl:2: turn 0: https://example.com/a.png: only data:image/",
         ),
         ('{"messages": [{"role": "user"}]}', r"bad\.jsonl:2: turn 0: no 'content'"),
         ("[1, 2]", r"bad\.jsonl:2: expected a JSON object"),
@@ -457,3 +473,193 @@ def test_manifest_json_keys_and_round_trip(tmp_path: Path):
     )
     with pytest.raises(VllmHsError, match="not a vllm-hs extract manifest"):
         Manifest.from_json({"model": "m"}, tmp_path / "m.json")
+
+
+# ---------------------------------------------------------------------------
+# Images in conversations
+
+
+def _png(path: Path, seed: int, size: tuple[int, int] = (56, 56)) -> Path:
+    from vllm_hs.models.tiny_vl import seeded_image
+
+    seeded_image(seed, *size).save(path, format="PNG")
+    return path
+
+
+def _data_url(path: Path) -> str:
+    import base64
+
+    return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
+
+
+def _image_rows(tmp_path: Path) -> list[dict]:
+    """One conversation per accepted image form (images/a.png, images/b.png)."""
+    (tmp_path / "images").mkdir(exist_ok=True)
+    a = _png(tmp_path / "images" / "a.png", 1)
+    b = _png(tmp_path / "images" / "b.png", 2)
+    answer = {"role": "assistant", "content": "ok"}
+
+    def user(*parts: dict) -> dict:
+        return {"role": "user", "content": [*parts, {"type": "text", "text": "?"}]}
+
+    def openai(url: str) -> dict:
+        return {
+            "messages": [user({"type": "image_url", "image_url": {"url": url}}), answer]
+        }
+
+    return [
+        openai(_data_url(a)),
+        openai(f"file://{a}"),
+        openai("images/a.png"),
+        openai(str(b)),
+        {
+            "conversations": [
+                {"from": "human", "value": [{"type": "image", "path": "images/b.png"}]},
+                {"from": "gpt", "value": "ok"},
+            ]
+        },
+        {"messages": [user({"type": "image", "url": f"file://{b}"}), answer]},
+    ]
+
+
+def test_image_parts_of_every_form_become_openai_parts(tmp_path: Path, write_jsonl):
+    rows = _image_rows(tmp_path)
+    conversations, _ = load_conversations(write_jsonl(tmp_path / "d.jsonl", rows))
+    a, b = (f"file://{(tmp_path / 'images' / n).resolve()}" for n in ("a.png", "b.png"))
+    urls = [c[0]["content"][0]["image_url"]["url"] for c in conversations]
+    assert urls == [
+        rows[0]["messages"][0]["content"][0]["image_url"]["url"],
+        a,
+        a,
+        b,
+        b,
+        b,
+    ]
+    assert conversations[1] == [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": a}},
+                {"type": "text", "text": "?"},
+            ],
+        },
+        {"role": "assistant", "content": "ok"},
+    ]
+    # A ShareGPT turn of one image part stays a part list.
+    assert conversations[4][0]["content"] == [
+        {"type": "image_url", "image_url": {"url": b}}
+    ]
+
+
+def test_images_count_in_the_input_sha256(tmp_path: Path, write_jsonl):
+    rows = _image_rows(tmp_path)[1:2]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    _, before = load_conversations(path)
+    _png(tmp_path / "images" / "a.png", 3)  # same path, other pixels
+    _, after = load_conversations(path)
+    assert before != after
+    text = write_jsonl(tmp_path / "t.jsonl", OPENAI)
+    conversations, digest = load_conversations(text)
+    # Text-only input: the digest is what it was before images were accepted.
+    expected = hashlib.sha256()
+    for conversation in conversations:
+        expected.update(json.dumps(conversation, sort_keys=True).encode() + b"\n")
+    assert digest == expected.hexdigest()
+
+
+@pytest.mark.parametrize("broken", ["missing", "not an image"])
+def test_missing_or_unreadable_image_names_file_line_and_image(
+    tmp_path: Path, write_jsonl, broken: str
+):
+    image = tmp_path / "gone.png"
+    if broken == "not an image":
+        image.write_text("not a png")
+    row = {
+        "messages": [
+            {"role": "user", "content": [{"type": "image", "path": "gone.png"}]}
+        ]
+    }
+    path = write_jsonl(tmp_path / "d.jsonl", [OPENAI[0], row])
+    with pytest.raises(ConversationError, match=r"d\.jsonl:2: image .*gone\.png"):
+        load_conversations(path)
+
+
+def test_the_template_sees_image_parts_as_images(tmp_path: Path, write_jsonl):
+    from transformers import AutoTokenizer
+
+    from vllm_hs.models.tiny_vl import IMAGE_TOKEN, build_tiny_vl_model
+
+    tokenizer = AutoTokenizer.from_pretrained(build_tiny_vl_model("float32"))
+    rows = _image_rows(tmp_path)[3:4]
+    conversations, _ = load_conversations(write_jsonl(tmp_path / "d.jsonl", rows))
+    ids, mask = render_with_mask(tokenizer, conversations[0])
+    pad = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+    assert ids.count(pad) == 1
+    text = tokenizer.decode(ids)
+    assert "<|vision_start|><|image_pad|><|vision_end|>?" in text
+    masked = [t for t, m in zip(ids, mask, strict=True) if m]
+    assert tokenizer.decode(masked) == "ok<|im_end|>"
+
+
+def test_expanded_prompt_collapses_back_and_widens_the_mask():
+    pad = 7
+    ids, mask = [1, 5, pad, 6, 2, pad, 3], [0, 0, 0, 0, 1, 0, 1]
+    expanded = [1, 5, pad, pad, pad, 6, 2, pad, pad, 3]
+    assert collapse_image_runs(expanded, pad) == ids
+    assert expand_loss_mask(ids, mask, expanded, pad) == [0, 0, 0, 0, 0, 0, 1, 0, 0, 1]
+    assert expand_loss_mask(ids, mask, [1, 5, pad, 6, 2, 3], pad) is None
+    assert expand_loss_mask(ids, mask, [1, 5, pad, 6, 9, pad, 3], pad) is None
+
+
+def test_formats_that_cannot_carry_images_refuse_them():
+    from vllm_hs.extract.formats import sample_files
+
+    sample_files("speculators").check_images()
+    for name, why in (
+        ("specforge", "SpecForge's offline reader"),
+        ("modelopt", "online only"),
+    ):
+        with pytest.raises(VllmHsError, match=f"--format {name} cannot carry: .*{why}"):
+            sample_files(name).check_images()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--format", "modelopt"],
+            "--data holds images, which --format modelopt cannot",
+        ),
+        (["--data", "missing.jsonl"], "missing.jsonl:1: image "),
+    ],
+)
+def test_images_are_refused_before_any_model_loads(
+    tmp_path: Path, write_jsonl, args: list[str], message: str
+):
+    rows = _image_rows(tmp_path)[3:4]
+    write_jsonl(tmp_path / "d.jsonl", rows)
+    gone = {
+        "messages": [{"role": "user", "content": [{"type": "image", "path": "x.png"}]}]
+    }
+    write_jsonl(tmp_path / "missing.jsonl", [gone])
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vllm_hs",
+            "extract",
+            "--data",
+            "d.jsonl",
+            "--output",
+            "out",
+            *args,
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert message in proc.stderr
+    assert "vllm" not in proc.stderr.lower().replace("vllm-hs", "")
+    assert not (tmp_path / "out").exists()

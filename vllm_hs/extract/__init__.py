@@ -5,7 +5,8 @@ Modules, in the order data flows:
 
 - `cli` (the command line; vLLM's engine options: `engine_options`) builds one
   `settings.ExtractSettings`, checked once;
-- `inputs`: conversations, chat template and loss masks, the plan of samples;
+- `inputs`: conversations, chat template and loss masks, the plan of samples
+  (`images`: image parts, and the engine's expanded prompts);
 - `engine`: the model's facts (vLLM's `ModelConfig`), starting engines;
 - `job`: one extraction from start to end (`job.extract`, one engine here),
   `on_ray` the same on Ray replicas;

@@ -18,13 +18,15 @@ from vllm_hs.command import Subparsers, accept_unknown_options
 from vllm_hs.errors import VllmHsError, import_extra
 from vllm_hs.extract.engine import ModelFacts, start_engine, stop_engine
 from vllm_hs.extract.engine_options import engine_options
+from vllm_hs.extract.formats import sample_files
+from vllm_hs.extract.images import has_images
 from vllm_hs.extract.inputs import (
     Conversation,
     ConversationError,
     load_conversations,
     shipped_conversations_path,
 )
-from vllm_hs.extract.job import extract
+from vllm_hs.extract.job import check_images, extract
 from vllm_hs.extract.outdir import merge_shards, shard_dir
 from vllm_hs.extract.records import SKIPPED, ExtractResult
 from vllm_hs.extract.settings import (
@@ -176,6 +178,8 @@ def _settings(
         raise VllmHsError(f"--data: {e}") from None
     if not conversations:
         raise VllmHsError(f"--data: {data} holds no conversations")
+    if any(has_images(c) for c in conversations):  # before the model is built
+        sample_files(own["trainer_format"], own["compress"]).check_images()
 
     import_patched_vllm()
     import_extra("datasets", "writing the Arrow dataset")
@@ -204,6 +208,7 @@ def _settings(
             "ray": ray,
         }
     ).for_model(facts.num_hidden_layers)
+    check_images(conversations, settings, facts)
     assert settings.layers is not None
     last, num_hidden_layers = settings.layers[-1], facts.num_hidden_layers
     if own["layers"] is not None and settings.trainer_format == "speculators":

@@ -35,9 +35,16 @@ class ModelFacts:
     tokenizer: str
     tokenizer_revision: str | None
     trust_remote_code: bool
+    image_token_id: int | None = None
+    """The token a vision-language model's processor expands per image (the
+    HF config's ``image_token_id``/``image_token_index``); None: no images."""
 
     @classmethod
     def of(cls, model_config: Any) -> ModelFacts:
+        hf_config = model_config.hf_config
+        image_token = getattr(hf_config, "image_token_id", None)
+        if image_token is None:
+            image_token = getattr(hf_config, "image_token_index", None)
         return cls(
             model=str(model_config.model),
             fingerprint=_model_fingerprint(model_config),
@@ -48,6 +55,7 @@ class ModelFacts:
             tokenizer=str(model_config.tokenizer),
             tokenizer_revision=model_config.tokenizer_revision,
             trust_remote_code=bool(model_config.trust_remote_code),
+            image_token_id=None if image_token is None else int(image_token),
         )
 
     @classmethod

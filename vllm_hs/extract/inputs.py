@@ -5,11 +5,14 @@ conversation becomes which dataset row).
 **Conversations.** JSONL files (OpenAI ``messages`` or ShareGPT
 ``conversations``) and saved HF `datasets` directories. Every conversation comes
 back as a list of ``{"role", "content"}`` dicts with role ``system``, ``user`` or
-``assistant`` and string content. Accepted rows:
+``assistant``; content is a string, or, for a turn with images, a list of text
+parts and image parts (`vllm_hs.extract.images`). Accepted rows:
 
 * OpenAI: ``{"messages": [{"role": "system"|"user"|"assistant", "content": ...}]}``;
   ``content`` is a string or a list of ``{"type": "text", "text": ...}`` parts
-  (joined without separator). Other part types (images, audio) are rejected.
+  (joined without separator when all are text) and image parts
+  (`vllm_hs.extract.images`: each checked to be a readable image here, its
+  bytes part of the input's SHA-256). Other part types (audio) are rejected.
 * ShareGPT: ``{"conversations": [{"from": "system"|"human"|"gpt", "value": ...}]}``
   (``user``/``assistant`` are accepted as ``from`` too).
 
@@ -52,6 +55,13 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from vllm_hs.extract.images import (
+    ImageError,
+    image_part,
+    image_sha256,
+    image_urls,
+    template_messages,
+)
 from vllm_hs.extract.records import Skip
 
 __all__ = [
@@ -69,7 +79,9 @@ __all__ = [
     "shipped_conversations_path",
 ]
 
-Conversation = list[dict[str, str]]
+Conversation = list[dict[str, Any]]
+"""``[{"role", "content"}]``: content a string, or a list of text and image
+parts (a turn with images)."""
 
 ROLES = ("system", "user", "assistant")
 _SHAREGPT_ROLES = {
@@ -90,34 +102,49 @@ def shipped_conversations_path() -> Path:
     return Path(__file__).resolve().parents[1] / "data" / "conversations.jsonl"
 
 
-def _content(value: Any, where: str) -> str:
+def _content(value: Any, where: str, base_dir: Path) -> str | list[dict[str, Any]]:
     if isinstance(value, str):
         return value
     if isinstance(value, list):
-        parts = []
+        parts: list[dict[str, Any]] = []
         for part in value:
             if (
                 isinstance(part, dict)
                 and part.get("type") == "text"
                 and isinstance(part.get("text"), str)
             ):
-                parts.append(part["text"])
-            else:
+                parts.append({"type": "text", "text": part["text"]})
+                continue
+            image = None
+            if isinstance(part, dict):
+                try:
+                    image = image_part(part, base_dir)
+                except ImageError as e:
+                    raise ConversationError(f"{where}: {e}") from None
+            if image is None:
                 kind = part.get("type") if isinstance(part, dict) else type(part)
                 raise ConversationError(
                     f"{where}: content part {kind!r} is not supported "
-                    "(only text parts: {'type': 'text', 'text': ...})"
+                    "(text parts: {'type': 'text', 'text': ...}; image parts: "
+                    "{'type': 'image_url', 'image_url': {'url': ...}} or "
+                    "{'type': 'image', 'path'|'url': ...})"
                 )
-        return "".join(parts)
+            parts.append(image)
+        if all(p["type"] == "text" for p in parts):
+            return "".join(p["text"] for p in parts)
+        return parts
     raise ConversationError(
-        f"{where}: content must be a string or a list of text parts, "
+        f"{where}: content must be a string or a list of text and image parts, "
         f"got {type(value).__name__}"
     )
 
 
-def normalize_conversation(row: Any, where: str) -> Conversation:
+def normalize_conversation(
+    row: Any, where: str, base_dir: Path | None = None
+) -> Conversation:
     """One row (OpenAI or ShareGPT form) as ``[{"role", "content"}]``; raises
-    ConversationError naming ``where``."""
+    ConversationError naming ``where``. ``base_dir``: where relative image
+    paths start (default: the working directory)."""
     if not isinstance(row, dict):
         raise ConversationError(
             f"{where}: expected a JSON object with 'messages' or 'conversations', "
@@ -153,11 +180,21 @@ def normalize_conversation(row: Any, where: str) -> Conversation:
             )
         if text_key not in turn:
             raise ConversationError(f"{at}: no {text_key!r}")
-        out.append({"role": role, "content": _content(turn[text_key], at)})
+        content = _content(turn[text_key], at, base_dir or Path.cwd())
+        out.append({"role": role, "content": content})
     return out
 
 
-def _read_jsonl(path: Path) -> Iterator[Conversation]:
+def _checked(conversation: Conversation, where: str) -> tuple[Conversation, list[str]]:
+    """A conversation and the SHA-256 of each of its images (each read and
+    checked to decode now, before any engine starts)."""
+    try:
+        return conversation, [image_sha256(url) for url in image_urls(conversation)]
+    except ImageError as e:
+        raise ConversationError(f"{where}: {e}") from None
+
+
+def _read_jsonl(path: Path) -> Iterator[tuple[Conversation, list[str]]]:
     with path.open("rb") as f:
         for number, raw in enumerate(f, start=1):
             where = f"{path}:{number}"
@@ -171,10 +208,10 @@ def _read_jsonl(path: Path) -> Iterator[Conversation]:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ConversationError(f"{where}: invalid JSON ({e})") from None
-            yield normalize_conversation(row, where)
+            yield _checked(normalize_conversation(row, where, path.parent), where)
 
 
-def _read_datasets_dir(path: Path) -> Iterator[Conversation]:
+def _read_datasets_dir(path: Path) -> Iterator[tuple[Conversation, list[str]]]:
     try:
         from datasets import Dataset, DatasetDict, load_from_disk
     except ImportError as e:
@@ -202,23 +239,30 @@ def _read_datasets_dir(path: Path) -> Iterator[Conversation]:
         )
     data = data.with_format(None)
     for index in range(len(data)):
-        yield normalize_conversation(data[index], f"{path}: row {index}")
+        where = f"{path}: row {index}"
+        row = normalize_conversation(data[index], where, path.parent)
+        yield _checked(row, where)
 
 
 def load_conversations(path: Path | str) -> tuple[list[Conversation], str]:
     """All conversations of a JSONL file or a saved datasets directory, in order,
-    and a SHA-256 of their normalized form (identifies the input for --resume).
-    Raises ConversationError on the first malformed row."""
+    and a SHA-256 of their normalized form and their images' bytes (identifies
+    the input for --resume). Relative image paths start in the directory holding
+    ``path``. Raises ConversationError on the first malformed row or missing or
+    unreadable image."""
     source = Path(path)
     if not source.exists():
         raise ConversationError(f"{source}: no such file or directory")
-    rows: Iterable[Conversation] = (
+    rows: Iterable[tuple[Conversation, list[str]]] = (
         _read_datasets_dir(source) if source.is_dir() else _read_jsonl(source)
     )
-    conversations = list(rows)
+    conversations = []
     digest = hashlib.sha256()
-    for conversation in conversations:
+    for conversation, images in rows:
+        conversations.append(conversation)
         digest.update(json.dumps(conversation, sort_keys=True).encode())
+        for image in images:  # text conversations: as before images
+            digest.update(f" image {image}".encode())
         digest.update(b"\n")
     return conversations, digest.hexdigest()
 
@@ -242,7 +286,7 @@ def has_generation_markers(chat_template: str | None) -> bool:
 
 def _render(
     tokenizer: Any,
-    messages: Sequence[dict[str, str]],
+    messages: Sequence[dict[str, Any]],
     add_generation_prompt: bool,
     chat_template: str | None,
     *,
@@ -251,7 +295,7 @@ def _render(
     """Token ids of the rendered conversation, and with `assistant_mask` the
     template's ``{% generation %}`` mask (else None)."""
     enc = tokenizer.apply_chat_template(
-        list(messages),
+        template_messages(messages),
         tokenize=True,
         add_generation_prompt=add_generation_prompt,
         chat_template=chat_template,
@@ -265,7 +309,7 @@ def _render(
 
 def render_with_mask(
     tokenizer: Any,
-    messages: Sequence[dict[str, str]],
+    messages: Sequence[dict[str, Any]],
     *,
     add_generation_prompt: bool = False,
     chat_template: str | None = None,
@@ -309,7 +353,7 @@ def render_with_mask(
 
 def _prefix_mask(
     tokenizer: Any,
-    messages: Sequence[dict[str, str]],
+    messages: Sequence[dict[str, Any]],
     add_generation_prompt: bool,
     template: str,
 ) -> tuple[list[int], list[int]]:

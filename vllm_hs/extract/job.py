@@ -16,6 +16,7 @@ from typing import Any
 
 from vllm_hs.errors import VllmHsError
 from vllm_hs.extract.engine import ModelFacts
+from vllm_hs.extract.images import has_images
 from vllm_hs.extract.inputs import Conversation, Sample, plan_samples
 from vllm_hs.extract.loop import LoopSettings, progress_bar, run_samples
 from vllm_hs.extract.manifest import Manifest
@@ -28,7 +29,7 @@ from vllm_hs.extract.outdir import (
 from vllm_hs.extract.records import COMPACTION, ExtractResult, Row
 from vllm_hs.extract.settings import ExtractSettings
 
-__all__ = ["ExtractJob", "extract", "prepare"]
+__all__ = ["ExtractJob", "check_images", "extract", "prepare"]
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,7 @@ def prepare(
     job, or the result when there is nothing to run (already complete, or
     finished here: a crash while closing gaps)."""
     settings = settings.for_model(facts.num_hidden_layers)
+    with_images = check_images(conversations, settings, facts)
     max_length = _max_length(settings.max_length, facts.max_model_len)
     template = settings.chat_template
     if template is None:
@@ -128,7 +130,12 @@ def prepare(
         logger.info("skipping conversation %d: %s", skip.index, skip.reason)
     result.skipped.extend(skipped)
     rows = scan_finished(
-        output, samples, len(settings.layers), facts.hidden_size, settings.files
+        output,
+        samples,
+        len(settings.layers),
+        facts.hidden_size,
+        settings.files,
+        facts.image_token_id,
     )
     if rows:
         logger.info(
@@ -136,12 +143,30 @@ def prepare(
         )
     return ExtractJob(
         manifest=manifest,
-        loop=LoopSettings.of(settings, facts, max_length),
+        loop=LoopSettings.of(settings, facts, max_length, with_images),
         samples=samples,
         rows=rows,
         todo=[s for s in samples if s.row not in rows],
         result=result,
     )
+
+
+def check_images(
+    conversations: Sequence[Conversation],
+    settings: ExtractSettings,
+    facts: ModelFacts | None,
+) -> bool:
+    """Whether the input has images; if so, raise VllmHsError unless the trainer
+    format and the model (when known) take them."""
+    if not any(has_images(c) for c in conversations):
+        return False
+    settings.files.check_images()
+    if facts is not None and facts.image_token_id is None:
+        raise VllmHsError(
+            f"--data holds images, but the model {facts.model} takes none (its "
+            "config names no image token)"
+        )
+    return True
 
 
 def _max_length(max_length: int | None, max_model_len: int) -> int:

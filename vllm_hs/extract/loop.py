@@ -12,6 +12,14 @@ a trailing user message is answered too), and the sample is the last turn's
 request: prompt + generated tokens[:-1], its states from that same request
 (prompt and output states), loss mask 1 on assistant tokens of earlier turns and
 on every generated row.
+
+Images (`vllm_hs.extract.images`): a request whose conversation has images
+carries them (``multi_modal_data``, in order; --regenerate: the images of the
+conversation so far, every round); the engine expands each image placeholder.
+Its prompt must collapse back to the rendered ids (each run of the image token
+to one), else the sample fails validation; the sample is the expanded prompt,
+its loss mask widened with 0 on every image position, and --max-length applies
+to it after expansion (longer: skipped, stage plan).
 """
 
 from __future__ import annotations
@@ -28,6 +36,13 @@ from typing import Any
 
 from vllm_hs.errors import VllmHsError
 from vllm_hs.extract.engine import ModelFacts
+from vllm_hs.extract.images import (
+    ImageError,
+    expand_loss_mask,
+    image_urls,
+    load_image,
+    messages_json,
+)
 from vllm_hs.extract.inputs import (
     Conversation,
     LossMaskError,
@@ -56,10 +71,19 @@ class LoopSettings:
     """--max-length resolved against the model (`vllm_hs.extract.job`)."""
     budget_tokens: int
     """At most this many tokens of states in flight or waiting to be written."""
+    image_token_id: int | None = None
+    """The model's image token (`ModelFacts.image_token_id`)."""
+    with_messages: bool = False
+    """Whether every row keeps its conversation (`Row.messages`): the input
+    has images."""
 
     @classmethod
     def of(
-        cls, settings: ExtractSettings, facts: ModelFacts, max_length: int
+        cls,
+        settings: ExtractSettings,
+        facts: ModelFacts,
+        max_length: int,
+        with_messages: bool = False,
     ) -> LoopSettings:
         row_bytes = len(settings.layers) * facts.hidden_size * _dtype_size(facts.dtype)
         return cls(
@@ -68,6 +92,8 @@ class LoopSettings:
             stored_dtype=settings.stored_dtype(facts.dtype),
             max_length=max_length,
             budget_tokens=max(1, settings.buffer_bytes // row_bytes),
+            image_token_id=facts.image_token_id,
+            with_messages=with_messages,
         )
 
     def writer(self) -> Writer:
@@ -116,6 +142,9 @@ class _Request:
     round_index: int
     prompt_ids: Sequence[int]
     prompt_mask: Sequence[int]
+    conversation: Conversation
+    """What ``prompt_ids`` render (--regenerate: up to the generated turn)."""
+    has_images: bool
 
 
 # ----------------------------------------------------------------------------
@@ -153,6 +182,8 @@ class _Run:
         self.max_length = loop.max_length
         self.regenerate = loop.settings.regenerate
         self.chat_template = loop.settings.chat_template
+        self.image_token_id = loop.image_token_id
+        self.with_messages = loop.with_messages
         self.budget_tokens = loop.budget_tokens
         self.inflight: dict[str, _Request] = {}  # request id -> request
         self.outstanding: dict[int, int] = {}  # row -> tokens held
@@ -230,6 +261,7 @@ class _Run:
         settings = self.regenerate
         ids: Sequence[int]
         mask: Sequence[int]
+        conversation: Conversation = sample.messages
         if settings is None:
             if self._prompt_params is None:
                 # The engine copies the parameters of each request it takes.
@@ -249,9 +281,11 @@ class _Run:
         else:
             if round_index == 0:
                 ids, mask = sample.input_ids, sample.loss_mask
+                conversation = sample.messages[: sample.slots[0]]
             else:
                 history = self.histories[sample.row]
                 slot = sample.slots[round_index]
+                conversation = history[:slot]
                 try:
                     ids, mask = render_with_mask(
                         self.tokenizer,
@@ -286,8 +320,23 @@ class _Run:
                 ),
             )
         request_id = f"vllm-hs-extract-{sample.row}-{round_index}"
-        self.engine.add_request(request_id, {"prompt_token_ids": list(ids)}, params)
-        self.inflight[request_id] = _Request(sample, round_index, ids, mask)
+        prompt: dict[str, Any] = {"prompt_token_ids": list(ids)}
+        urls = image_urls(conversation)
+        if not urls:
+            self.engine.add_request(request_id, prompt, params)
+        else:
+            try:
+                prompt["multi_modal_data"] = {"image": [load_image(u) for u in urls]}
+                self.engine.add_request(request_id, prompt, params)
+            except (ImageError, ValueError, AssertionError) as e:
+                # The engine's processor refuses images it cannot place (no
+                # placeholder in the render, too many for the prompt).
+                reason = f"the engine refused the images ({type(e).__name__}: {e})"
+                self._skip(sample, reason, SkipStage.VALIDATE)
+                return
+        self.inflight[request_id] = _Request(
+            sample, round_index, ids, mask, conversation, bool(urls)
+        )
 
     def _finish(self, request_output: Any) -> None:
         request = self.inflight.pop(request_output.request_id)
@@ -298,12 +347,29 @@ class _Run:
             reason = f"the engine ended the request with {completion.finish_reason!r}"
             self._skip(sample, reason, SkipStage.VALIDATE)
             return
-        if list(request_output.prompt_token_ids) != list(ids):
+        if request.has_images:
+            expanded = [int(t) for t in request_output.prompt_token_ids]
+            assert self.image_token_id is not None  # checked before the engine
+            wide = expand_loss_mask(ids, mask, expanded, self.image_token_id)
+            if wide is None:
+                reason = (
+                    "the engine's expanded prompt does not collapse back to the "
+                    f"rendered token ids (each run of image token "
+                    f"{self.image_token_id} to one)"
+                )
+                self._skip(sample, reason, SkipStage.VALIDATE)
+                return
+            ids, mask = expanded, wide
+        elif list(request_output.prompt_token_ids) != list(ids):
             reason = "the engine saw other prompt token ids"
             self._skip(sample, reason, SkipStage.VALIDATE)
             return
         if self.regenerate is None:
-            self._write(sample, request_output.prompt_hidden_states, ids, mask)
+            if not self._fits(sample, len(ids)):
+                return
+            messages = self._messages(request.conversation)
+            states = request_output.prompt_hidden_states
+            self._write(sample, states, ids, mask, messages)
             return
         if round_index < len(sample.slots) - 1:
             history = self.histories.setdefault(sample.row, list(sample.messages))
@@ -331,13 +397,38 @@ class _Run:
             reason = "no assistant tokens (nothing generated)"
             self._skip(sample, reason, SkipStage.GENERATE)
             return
+        if not self._fits(sample, len(token_ids)):
+            return
         states = torch.cat([prompt_states, output_states])
-        self._write(sample, states, token_ids, loss_mask)
+        answer = {"role": "assistant", "content": completion.text}
+        messages = self._messages([*request.conversation, answer])
+        self._write(sample, states, token_ids, loss_mask, messages)
+
+    def _fits(self, sample: Sample, tokens: int) -> bool:
+        """Whether a sample of ``tokens`` fits --max-length (only a sample with
+        images can outgrow it here, once its images are expanded); skips it if
+        not."""
+        if tokens <= self.max_length:
+            return True
+        reason = (
+            f"{tokens} tokens after image expansion > --max-length "
+            f"{self.max_length} (not truncated)"
+        )
+        self._skip(sample, reason, SkipStage.PLAN)
+        return False
+
+    def _messages(self, conversation: Conversation) -> str | None:
+        return messages_json(conversation) if self.with_messages else None
 
     def _write(
-        self, sample: Sample, states: Any, ids: Sequence[int], mask: Sequence[int]
+        self,
+        sample: Sample,
+        states: Any,
+        ids: Sequence[int],
+        mask: Sequence[int],
+        messages: str | None,
     ) -> None:
-        row = Row(array("i", ids), bytes(mask))
+        row = Row(array("i", ids), bytes(mask), messages)
         self.waiting[sample.row] = row
         self.writer.submit(WriteJob(sample, states, row))
 

@@ -46,6 +46,7 @@ from pathlib import Path
 from vllm_hs import fs
 from vllm_hs.errors import UsageError, VllmHsError
 from vllm_hs.extract.formats import SampleFiles
+from vllm_hs.extract.images import collapse_image_runs, has_images
 from vllm_hs.extract.inputs import Sample
 from vllm_hs.extract.manifest import Manifest
 from vllm_hs.extract.records import (
@@ -205,7 +206,7 @@ def _complete(
 ) -> None:
     files.finish(output, final)
     result.samples = len(final)
-    result.tokens = sum(len(ids) for ids, _ in final)
+    result.tokens = sum(len(row.token_ids) for row in final)
     result.bytes = sum(path.stat().st_size for path in files.files(output))
     write_skipped(output, result.skipped)
     manifest.summarize(result)
@@ -219,9 +220,11 @@ def scan_finished(
     layers: int,
     hidden: int,
     files: SampleFiles,
+    image_token: int | None = None,
 ) -> dict[int, Row]:
     """Rows whose sample file is complete and belongs to the planned sample
-    (--resume); other sample files are deleted, to be redone."""
+    (--resume); other sample files are deleted, to be redone. ``image_token``:
+    the model's (a sample with images holds its expanded prompt)."""
     found: dict[int, Row] = {}
     by_index = {s.index: s for s in samples}
     for path in list(files.files(output)):
@@ -236,7 +239,9 @@ def scan_finished(
                 reason = f"conversation {meta.input_index} is not in the plan"
             else:
                 expected = files.path(output, sample.row, sample.index)
-                reason = _mismatch(meta, sample, path == expected, layers, hidden)
+                reason = _mismatch(
+                    meta, sample, path == expected, layers, hidden, image_token
+                )
                 if reason is None:
                     found[sample.row] = meta.row()
                     continue
@@ -246,15 +251,22 @@ def scan_finished(
 
 
 def _mismatch(
-    meta: SampleMeta, sample: Sample, in_place: bool, layers: int, hidden: int
+    meta: SampleMeta,
+    sample: Sample,
+    in_place: bool,
+    layers: int,
+    hidden: int,
+    image_token: int | None,
 ) -> str | None:
     """Why a sample file does not hold the planned ``sample``, or None."""
     token_ids, mask = meta.token_ids, meta.loss_mask
+    if image_token is not None and has_images(sample.messages):
+        token_ids = collapse_image_runs(token_ids, image_token)
     if not in_place:
         return f"holds conversation {meta.input_index}, which goes to row {sample.row}"
-    if meta.shape != (len(token_ids), layers, hidden):
+    if meta.shape != (len(meta.token_ids), layers, hidden):
         return f"hidden_states shape {list(meta.shape)}"
-    if len(mask) != len(token_ids):
+    if len(mask) != len(meta.token_ids):
         return "loss mask length"
     if not sample.slots and token_ids != list(sample.input_ids):
         return "token ids differ from the rendered conversation"

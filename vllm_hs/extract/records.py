@@ -45,6 +45,9 @@ class Row(NamedTuple):
     """``array('i')``: 4 bytes a token."""
     loss_mask: bytes
     """0/1 per token; as long as ``token_ids``."""
+    messages: str | None = None
+    """Datasets with images: the sample's conversation, JSON in OpenAI
+    content-list form (`vllm_hs.extract.images.messages_json`); else None."""
 
 
 class SampleMeta(NamedTuple):
@@ -55,9 +58,11 @@ class SampleMeta(NamedTuple):
     token_ids: list[int]
     shape: tuple[int, ...]
     """Shape of hidden_states: (T, K, H)."""
+    messages: str | None = None
+    """`Row.messages`."""
 
     def row(self) -> Row:
-        return Row(array("i", self.token_ids), bytes(self.loss_mask))
+        return Row(array("i", self.token_ids), bytes(self.loss_mask), self.messages)
 
 
 # ----------------------------------------------------------------------------
@@ -69,7 +74,8 @@ class SkipStage(str, enum.Enum):
     """Where a conversation was dropped (the ``stage`` of skipped.jsonl)."""
 
     PLAN = "plan"
-    """Before any engine work: too long, no assistant tokens, template failure."""
+    """Before any engine work: too long, no assistant tokens, template failure;
+    also a sample with images that is too long once the engine expanded them."""
     GENERATE = "generate"
     """--regenerate, between turns: a later turn's prompt could not be built."""
     VALIDATE = "validate"

@@ -101,7 +101,7 @@ class Writer:
                 self.done.put(WriteResult(job.sample.row, job.sample.index))
 
     def _write(self, job: WriteJob) -> WriteResult:
-        sample, (token_ids, mask) = job.sample, job.row
+        sample, (token_ids, mask, messages) = job.sample, job.row
         problem = _check_states(
             job.states, len(token_ids), len(mask), self.layers, self.hidden
         )
@@ -121,6 +121,7 @@ class Writer:
             _ids_tensor(token_ids),
             sample.index,
             mask,
+            messages,
         )
         return WriteResult(sample.row, sample.index, len(token_ids), size)
 

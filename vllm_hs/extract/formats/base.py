@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from vllm_hs.errors import VllmHsError
 from vllm_hs.extract.records import Row, SampleMeta
 from vllm_hs.layer_ids import LayerId, default_layers
 
@@ -29,6 +30,8 @@ class SampleFiles(abc.ABC):
     """What the files are (the manifest's ``format``)."""
     stores_fp8 = False
     """Whether the trainer can read speculators' fp8 layout (scales)."""
+    no_images: str | None = "its trainer reads no image data"
+    """Why the trainer cannot take samples with images; None when it can."""
 
     @abc.abstractmethod
     def path(self, output: Path, row: int, index: int) -> Path:
@@ -46,9 +49,12 @@ class SampleFiles(abc.ABC):
         token_ids: Any,
         index: int,
         mask: Sequence[int],
+        messages: str | None = None,
     ) -> int:
         """Write one sample atomically; returns its size. ``states``:
-        ``hidden_states`` [T, K, H] (and, fp8, its scales)."""
+        ``hidden_states`` [T, K, H] (and, fp8, its scales); ``messages``:
+        `vllm_hs.extract.records.Row.messages` (only formats that take images
+        get one)."""
 
     @abc.abstractmethod
     def read_meta(self, path: Path) -> SampleMeta:
@@ -58,6 +64,15 @@ class SampleFiles(abc.ABC):
         """Raise VllmHsError if the trainer cannot use these columns (the
         default: any columns)."""
         return None
+
+    def check_images(self) -> None:
+        """Raise VllmHsError if the trainer cannot take samples with images
+        (called before any model loads)."""
+        if self.no_images is not None:
+            raise VllmHsError(
+                f"--data holds images, which --format {self.name} cannot carry: "
+                f"{self.no_images}; use --format speculators"
+            )
 
     def default_layers(self, num_hidden_layers: int) -> list[LayerId]:
         return list(default_layers(num_hidden_layers))

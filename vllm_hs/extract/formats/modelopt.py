@@ -31,6 +31,10 @@ class ModelOptFiles(TorchSaveFiles):
     last_key = "hidden_states"
     aux_key = "aux_hidden_states"
     index_key = "conversation_id"
+    no_images = (
+        "ModelOpt trains VLM drafts online only (its offline path asserts "
+        "'Offline data is not supported for VLM.')"
+    )
 
     def path(self, output: Path, row: int, index: int) -> Path:
         return output / HS_DIR / f"{index}.pt"

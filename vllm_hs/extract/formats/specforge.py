@@ -39,6 +39,12 @@ class SpecForgeFiles(TorchSaveFiles):
     aux_key = "aux_hidden_state"
     index_key = "vllm_hs_input_index"
     batched = True
+    no_images = (
+        "SpecForge's offline reader keeps only input_ids, loss_mask and the "
+        "states (no image grid for its M-RoPE positions), its VLM training "
+        "(--is-vlm) runs the target online on the pixels, and its current "
+        "runtime trains no VLM at all"
+    )
 
     def __init__(self, compress: bool = False) -> None:
         self.suffix = ".ckpt.gz" if compress else ".ckpt"

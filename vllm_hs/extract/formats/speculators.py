@@ -7,8 +7,13 @@ An hs file holds ``hidden_states`` [T, K, H] (the model's dtype or
 also ``hidden_states_scales`` float32 [T, 1, 1] (`vllm_hs.extract.storage`), and
 ``token_ids`` int64 [T] (= input_ids of row i); its header metadata ``"vllm_hs"``
 = JSON ``{"input_index": n, "loss_mask": "0011..."}``: the input conversation it
-came from and its loss mask, so --resume and --merge can check and rebuild the
+came from and its loss mask (datasets with images also ``"messages"``, the
+``messages`` column's value), so --resume and --merge can check and rebuild the
 dataset from the hs files alone.
+
+Images (speculators >= 0.9's VLM data): ``token_ids``/``input_ids`` are the
+engine's expanded prompt (one image token per visual token), the states cover
+every position, and the Arrow dataset gains a ``messages`` column.
 
 speculators' training reads OUTPUT as is (``ArrowDataset(datapath=OUTPUT)``,
 ``train.py --data-path OUTPUT``): ``hs[:, :-1]`` are the aux layers,
@@ -48,6 +53,7 @@ class SpeculatorsFiles(SampleFiles):
         "hidden_states/hs_{i}.safetensors (hidden_states, token_ids)"
     )
     stores_fp8 = True
+    no_images = None
 
     def path(self, output: Path, row: int, index: int) -> Path:
         return hs_path(output, row)
@@ -64,16 +70,19 @@ class SpeculatorsFiles(SampleFiles):
         token_ids: Any,
         index: int,
         mask: Sequence[int],
+        messages: str | None = None,
     ) -> int:
         """Write one hs file atomically; returns its size.
 
         ``states``: ``hidden_states`` [T, K, H] and, in the fp8 layout, its
         ``hidden_states_scales`` (`vllm_hs.extract.storage.encode_states`);
         ``token_ids`` int64 [T]; all torch tensors."""
-        meta = {
+        meta: dict[str, Any] = {
             "input_index": index,
             "loss_mask": "".join("1" if m else "0" for m in mask),
         }
+        if messages is not None:
+            meta["messages"] = json.loads(messages)
         with fs.atomic_path(path) as tmp:
             write_safetensors(
                 tmp,
@@ -92,7 +101,14 @@ class SpeculatorsFiles(SampleFiles):
             token_ids = f.get_tensor("token_ids").tolist()
             shape = tuple(f.get_slice("hidden_states").get_shape())
         mask = [1 if c == "1" else 0 for c in meta["loss_mask"]]
-        return SampleMeta(int(meta["input_index"]), mask, token_ids, shape)
+        messages = meta.get("messages")
+        return SampleMeta(
+            int(meta["input_index"]),
+            mask,
+            token_ids,
+            shape,
+            None if messages is None else json.dumps(messages, sort_keys=True),
+        )
 
     def finish(self, output: Path, rows: Sequence[Row]) -> None:
         """The Arrow dataset and token_freq.pt."""

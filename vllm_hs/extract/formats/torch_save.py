@@ -87,8 +87,11 @@ class TorchSaveFiles(SampleFiles):
         token_ids: Any,
         index: int,
         mask: Sequence[int],
+        messages: str | None = None,
     ) -> int:
         import torch
+
+        assert messages is None, f"--format {self.name} takes no images"
 
         rows = states["hidden_states"]
         count, columns, hidden = rows.shape
