@@ -16,10 +16,10 @@ the draft text-only inputs as in training.
 Ways:
 
 * ``vllm_hs``: ``vllm-hs extract --regenerate --format speculators`` on the
-  image conversations (needs an extraction that takes image parts);
+  image conversations (the target writes the replies);
 * ``hf``: HF transformers' forward, with the images, on the same expanded
-  rows (from ``vllm_hs`` when it runs, else from vLLM's greedy replies to the
-  same prompts: the ``mm_rows`` stage);
+  rows (``vllm_hs``'s; without that way, vLLM's greedy replies to the same
+  prompts: the ``mm_rows`` stage);
 * ``untrained``: speculators' initialised draft, the floor.
 
     python -m benchmarks run acceptance_vl [--model DIR] [--data JSONL]
@@ -51,15 +51,13 @@ from benchmarks.suites.acceptance import (
 from benchmarks.suites.acceptance_stages import run_stage
 
 DRAFTS = ("vllm_hs", "hf", "untrained")
-#: The default until `vllm-hs extract` takes image parts.
-DEFAULT_WAYS = "hf,untrained"
 #: Image tokens of one image at most (`vllm_hs.models.tiny_vl`'s processor).
 MAX_IMAGE_TOKENS = 16
 
 
 @dataclass
 class AcceptanceVLSettings(AcceptanceSettings):
-    ways: str = option(DEFAULT_WAYS, "drafts to train and serve")
+    ways: str = option(",".join(DRAFTS), "drafts to train and serve")
 
 
 def prepare_inputs(
