@@ -9,6 +9,8 @@ components equal) the language model computes exactly what the Llama does.
 The vision tower is `vllm_hs.models.tiny_vl`'s (seeded, depth 2, 14 px patches
 merged 2x2) with ``out_hidden_size`` = 128, its merger scaled so that image
 embeddings have the RMS of the language's word embeddings.
+Transplanted, it answers text-only prompts as the structured target does
+(the same greedy accuracy).
 
 The tokenizer is the structured target's (1024 tokens) with
 ``<|vision_start|>``, ``<|vision_end|>``, ``<|image_pad|>``,
@@ -19,9 +21,13 @@ lists; an image part renders as the three vision tokens).
 `image_conversations(n, split)` puts one seeded noise image (56 to 112 px a
 side: 4 to 16 image tokens) before the text of each user turn of
 `structured_target.conversations(n, split)`: the reply follows from the text,
-so the image is context the target must read past. The build records the
-greedy token accuracy of such held-out image prompts in HF transformers
-(``structured_vl_target.json``), next to the text-only figure.
+so the image is context the target must read past. The transplanted model
+does not: its greedy replies to held-out image prompts match the language on
+about 37% of the tokens (96% without the image). So the build then trains
+the language model (vision tower frozen) for ``tune_steps`` (300: about 20
+seconds on 2 cores) on image prompts of the ``train`` language, images from
+a seed stream of their own, and records the greedy token accuracy on the
+held-out image prompts before and after (``structured_vl_target.json``).
 """
 
 from __future__ import annotations
