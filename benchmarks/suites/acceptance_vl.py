@@ -17,6 +17,8 @@ Ways:
 
 * ``vllm_hs``: ``vllm-hs extract --regenerate --format speculators`` on the
   image conversations (the target writes the replies);
+* ``vllm_hs_fp8``: the same with ``--storage-dtype fp8``, read through
+  speculators' ``FP8Transfer``;
 * ``hf``: HF transformers' forward, with the images, on the same expanded
   rows (``vllm_hs``'s; without that way, vLLM's greedy replies to the same
   prompts: the ``mm_rows`` stage);
@@ -50,7 +52,7 @@ from benchmarks.suites.acceptance import (
 )
 from benchmarks.suites.acceptance_stages import run_stage
 
-DRAFTS = ("vllm_hs", "hf", "untrained")
+DRAFTS = ("vllm_hs", "vllm_hs_fp8", "hf", "untrained")
 #: Image tokens of one image at most (`vllm_hs.models.tiny_vl`'s processor).
 MAX_IMAGE_TOKENS = 16
 
@@ -135,6 +137,8 @@ def run(settings: AcceptanceSettings) -> dict[str, Any]:
     unknown = sorted(set(names) - set(DRAFTS))
     if unknown:
         raise SystemExit(f"unknown ways {unknown}; choose from {DRAFTS}")
+    if "untrained" in names and not {"vllm_hs", "hf"} & set(names):
+        raise SystemExit("untrained reads the vllm_hs or hf dataset: name one")
     work = Path(settings.work or tempfile.mkdtemp(prefix="hs-acceptance-vl-"))
     work.mkdir(parents=True, exist_ok=True)
     logs = work / "logs"
@@ -155,6 +159,11 @@ def run(settings: AcceptanceSettings) -> dict[str, Any]:
               "max_model_len": max_model_len}  # fmt: skip
 
     datasets_dir = work / "data"
+    if "vllm_hs_fp8" in names:
+        seconds["extract_vllm_hs_fp8"] = extract(
+            settings, data, datasets_dir / "vllm_hs_fp8", True, dtype,
+            logs / "extract-vllm_hs_fp8.log",
+        )  # fmt: skip
     if "vllm_hs" in names:
         rows = datasets_dir / "vllm_hs"
         seconds["extract_vllm_hs"] = extract(
@@ -204,6 +213,7 @@ def run(settings: AcceptanceSettings) -> dict[str, Any]:
                 "num_speculative_tokens": settings.num_speculative_tokens,
                 "optimizer": settings.optimizer,
                 "lr": settings.lr,
+                "fp8": name == "vllm_hs_fp8",
                 "untrained": name == "untrained",
             },
             logs / f"train-{name}.log",
@@ -232,6 +242,11 @@ def run(settings: AcceptanceSettings) -> dict[str, Any]:
         ratios["vllm_hs_over_hf"] = (
             results["vllm_hs"]["acceptance_rate"] / results["hf"]["acceptance_rate"]
         )
+    if "vllm_hs_fp8" in results and results.get("vllm_hs", {}).get("acceptance_rate"):
+        ratios["fp8_over_vllm_hs"] = (
+            results["vllm_hs_fp8"]["acceptance_rate"]
+            / results["vllm_hs"]["acceptance_rate"]
+        )
     if "hf" in results and "untrained" in results:
         ratios["hf_minus_untrained"] = (
             results["hf"]["acceptance_rate"] - results["untrained"]["acceptance_rate"]
@@ -255,7 +270,7 @@ def run(settings: AcceptanceSettings) -> dict[str, Any]:
             max=r,
         )
     rates = ", ".join(f"{k} {v['acceptance_rate']:.3f}" for k, v in results.items())
-    aims = {"vllm_hs_over_hf": AIMS["vllm_hs_over_hf"]}
+    aims = AIMS
     return {
         "suite": "acceptance_vl",
         "description": (
