@@ -4,8 +4,8 @@
 Engine suites share `EngineSettings` (the batch, model, rounds and engine
 options) and run each measurement in a `benchmarks.workload` process; the
 others (extraction, gather, storage, prefix_store, ray_extract, payload, ref_store,
-response_encoding, acceptance) have settings of their own. What each figure
-compares is in its module's text and in its result file's description.
+response_encoding, acceptance, acceptance_vl) have settings of their own. What
+each figure compares is in its module's text and in its result file's description.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from benchmarks.protocol import Suite
 from benchmarks.result import Result
 from benchmarks.suites import (
     acceptance,
+    acceptance_vl,
     extraction,
     gather,
     generation,
@@ -186,6 +187,13 @@ SUITES: dict[str, Suite] = {
             acceptance.DRAFTS,
             acceptance.AcceptanceSettings,
             acceptance.measure,
+        ),
+        Suite(
+            "acceptance_vl",
+            "the acceptance drafts on a vision-language target, image prompts",
+            acceptance_vl.DRAFTS,
+            acceptance_vl.AcceptanceVLSettings,
+            acceptance_vl.measure,
         ),
     )
 }

@@ -179,6 +179,7 @@ def extract(
         "--model", str(settings.model),
         "--data", str(data),
         "--output", str(out),
+        "--format", "speculators",
         "--regenerate",
         "--max-new-tokens", str(settings.max_new_tokens),
         "--seed", str(settings.seed),

@@ -89,14 +89,87 @@ def stage_native(payload: dict[str, Any]) -> dict[str, Any]:
 
 
 def stage_hf(payload: dict[str, Any]) -> dict[str, Any]:
-    """HF transformers' forward on the rows of a vllm_hs dataset."""
+    """HF transformers' forward on the rows of a vllm_hs dataset (with row
+    i's images, `payload["images"][i]`, on a vision-language target)."""
     from vllm_hs.hf_reference import hf_hidden_states
 
+    images = payload.get("images")
+
     def states(i: int, ids: list[int]) -> Any:
-        return hf_hidden_states(payload["model"], ids, payload["layers"])
+        pictures = load_images(images[i]) if images else ()
+        return hf_hidden_states(
+            payload["model"], ids, payload["layers"], images=pictures
+        )
 
     written = write_states(Path(payload["source"]), Path(payload["out"]), states)
     return {"rows": written}
+
+
+def stage_mm_rows(payload: dict[str, Any]) -> dict[str, Any]:
+    """The rows of a vision-language dataset: each conversation's user turn
+    (its images in `payload["images"][i]`) through vLLM, which expands the
+    image placeholders and writes the reply (greedy); row = the engine's
+    expanded prompt ids + the reply, loss mask 1 on the reply. The
+    `vllm-hs extract --regenerate` rows until its extraction takes images."""
+    from array import array
+
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+
+    from vllm_hs.extract.dataset import write_arrow, write_token_freq
+    from vllm_hs.extract.records import Row
+
+    tokenizer = AutoTokenizer.from_pretrained(payload["model"])
+    llm = _engine(payload)
+    prompts = []
+    for prompt, images in zip(payload["prompts"], payload["images"], strict=True):
+        ids = tokenizer.apply_chat_template(
+            prompt, tokenize=True, add_generation_prompt=True, return_dict=True
+        )["input_ids"]
+        prompts.append(mm_prompt(list(ids), images))
+    params = SamplingParams(temperature=0.0, max_tokens=payload["max_new_tokens"])
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    rows = []
+    for out in outs:
+        prompt_ids = list(out.prompt_token_ids)
+        reply = list(out.outputs[0].token_ids)
+        rows.append(
+            Row(
+                array("i", prompt_ids + reply),
+                bytes([0] * len(prompt_ids) + [1] * len(reply)),
+            )
+        )
+    target = Path(payload["out"])
+    target.mkdir(parents=True, exist_ok=True)
+    write_arrow(target, rows)
+    write_token_freq(target, rows)
+    (target / "hidden_states").mkdir(exist_ok=True)
+    image_id = llm.llm_engine.model_config.hf_config.image_token_id
+    return {
+        "rows": len(rows),
+        "image_tokens": sum(r.token_ids.count(image_id) for r in rows),
+        "tokens": sum(len(r.token_ids) for r in rows),
+    }
+
+
+def load_images(paths: list[str]) -> list[Any]:
+    """PIL images (RGB) from paths or file:// URLs."""
+    from PIL import Image
+
+    return [Image.open(p.removeprefix("file://")).convert("RGB") for p in paths]
+
+
+def mm_prompt(ids: list[int], images: list[str] | None) -> Any:
+    """A vLLM prompt: token ids, with their images when there are any."""
+    from vllm.inputs import TokensPrompt
+
+    if not images:
+        return TokensPrompt(prompt_token_ids=ids)
+    pictures = load_images(images)
+    return TokensPrompt(
+        prompt_token_ids=ids,
+        multi_modal_data={"image": pictures if len(pictures) > 1 else pictures[0]},
+    )
 
 
 def write_states(source: Path, out: Path, states: Any) -> int:
@@ -219,7 +292,6 @@ def _speculators_on_cpu() -> None:
 def stage_serve(payload: dict[str, Any]) -> dict[str, Any]:
     """Held-out prompts through vLLM with the draft: the engine's counters."""
     from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
 
     from vllm_hs_testing.engines import engine_metric
 
@@ -233,7 +305,8 @@ def stage_serve(payload: dict[str, Any]) -> dict[str, Any]:
         },
     )
     before = {k: engine_metric(llm, m) for k, m in SPEC_METRICS.items()}
-    prompts = [TokensPrompt(prompt_token_ids=p) for p in payload["prompts"]]
+    images = payload.get("images") or [None] * len(payload["prompts"])
+    prompts = [mm_prompt(p, i) for p, i in zip(payload["prompts"], images, strict=True)]
     params = SamplingParams(temperature=0.0, max_tokens=payload["max_new_tokens"])
     outs = llm.generate(prompts, params, use_tqdm=False)
     counts = {k: engine_metric(llm, m) - before[k] for k, m in SPEC_METRICS.items()}
@@ -244,6 +317,7 @@ def stage_serve(payload: dict[str, Any]) -> dict[str, Any]:
 STAGES = {
     "native": stage_native,
     "hf": stage_hf,
+    "mm_rows": stage_mm_rows,
     "train": stage_train,
     "serve": stage_serve,
 }
