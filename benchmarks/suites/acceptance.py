@@ -204,6 +204,78 @@ def extract(
     return time.perf_counter() - start
 
 
+def train_args(
+    settings: AcceptanceSettings, model: str, data: Path, save: Path, name: str
+) -> dict[str, Any]:
+    """The train stage's arguments for draft `name` (same seed, epochs and
+    hyperparameters for every way)."""
+    return {
+        "model": model,
+        "data": str(data),
+        "save": str(save),
+        "epochs": settings.epochs,
+        "total_seq_len": settings.total_seq_len,
+        "seed": settings.seed,
+        "layers": settings.layers,
+        "num_speculative_tokens": settings.num_speculative_tokens,
+        "optimizer": settings.optimizer,
+        "lr": settings.lr,
+        "fp8": name == "vllm_hs_fp8",
+        "untrained": name == "untrained",
+    }
+
+
+def draft_result(counts: dict[str, Any]) -> dict[str, Any]:
+    """A served draft's acceptance rate and mean acceptance length, with the
+    engine's counts."""
+    drafted = counts["draft_tokens"]
+    return {
+        "acceptance_rate": counts["accepted"] / drafted if drafted else 0.0,
+        "mean_acceptance_length": (
+            1 + counts["accepted"] / counts["drafts"] if counts["drafts"] else 1.0
+        ),
+        **counts,
+    }
+
+
+def acceptance_ratios(results: dict[str, Any]) -> dict[str, float]:
+    """The ratios the aims are about, for the ways that ran."""
+    ratios = {}
+    if "vllm_hs" in results and "hf" in results and results["hf"]["acceptance_rate"]:
+        ratios["vllm_hs_over_hf"] = (
+            results["vllm_hs"]["acceptance_rate"] / results["hf"]["acceptance_rate"]
+        )
+    if "vllm_hs_fp8" in results and results.get("vllm_hs", {}).get("acceptance_rate"):
+        ratios["fp8_over_vllm_hs"] = (
+            results["vllm_hs_fp8"]["acceptance_rate"]
+            / results["vllm_hs"]["acceptance_rate"]
+        )
+    if "hf" in results and "untrained" in results:
+        ratios["hf_minus_untrained"] = (
+            results["hf"]["acceptance_rate"] - results["untrained"]["acceptance_rate"]
+        )
+    return ratios
+
+
+def acceptance_summary(ratios: dict[str, float], metric: str) -> Summary | None:
+    """One figure for the generated table (one run: no spread)."""
+    if "vllm_hs_over_hf" not in ratios:
+        return None
+    r = ratios["vllm_hs_over_hf"]
+    return Summary(
+        metric=metric,
+        higher_is_better=True,
+        aim=AIMS["vllm_hs_over_hf"],
+        median=r,
+        min=r,
+        max=r,
+    )
+
+
+def aims_met(ratios: dict[str, float]) -> dict[str, dict[str, Any]]:
+    return {k: {"aim": v, "met": ratios.get(k, 0.0) >= v} for k, v in AIMS.items()}
+
+
 def run(settings: AcceptanceSettings) -> dict[str, Any]:
     """Train and serve the drafts `settings.ways`; the result file's keys."""
     names = [n for n in settings.ways.split(",") if n]
@@ -252,25 +324,11 @@ def run(settings: AcceptanceSettings) -> dict[str, Any]:
         if name == "online":
             server = start_server(model, dtype, max_model_len, settings, logs)
         try:
-            trained = run_stage(
-                "train",
-                {
-                    "model": model,
-                    "data": str(datasets_dir / data_name),
-                    "save": str(work / "drafts" / name),
-                    "epochs": settings.epochs,
-                    "total_seq_len": settings.total_seq_len,
-                    "seed": settings.seed,
-                    "layers": settings.layers,
-                    "num_speculative_tokens": settings.num_speculative_tokens,
-                    "optimizer": settings.optimizer,
-                    "lr": settings.lr,
-                    "fp8": name == "vllm_hs_fp8",
-                    "untrained": name == "untrained",
-                    "endpoint": server.base_url if server is not None else None,
-                },
-                logs / f"train-{name}.log",
+            args = train_args(
+                settings, model, datasets_dir / data_name, work / "drafts" / name, name
             )
+            args["endpoint"] = server.base_url if server is not None else None
+            trained = run_stage("train", args, logs / f"train-{name}.log")
         finally:
             if server is not None:
                 server.stop()
@@ -284,43 +342,14 @@ def run(settings: AcceptanceSettings) -> dict[str, Any]:
             logs / f"serve-{name}.log",
         )  # fmt: skip
         seconds[f"serve_{name}"] = time.perf_counter() - start
-        drafted = counts["draft_tokens"]
-        results[name] = {
-            "acceptance_rate": counts["accepted"] / drafted if drafted else 0.0,
-            "mean_acceptance_length": (
-                1 + counts["accepted"] / counts["drafts"] if counts["drafts"] else 1.0
-            ),
-            **counts,
-        }
+        results[name] = draft_result(counts)
         print(f"{name}: {results[name]}", flush=True)
-    ratios = {}
-    if "vllm_hs" in results and "hf" in results and results["hf"]["acceptance_rate"]:
-        ratios["vllm_hs_over_hf"] = (
-            results["vllm_hs"]["acceptance_rate"] / results["hf"]["acceptance_rate"]
-        )
-    if "vllm_hs_fp8" in results and results.get("vllm_hs", {}).get("acceptance_rate"):
-        ratios["fp8_over_vllm_hs"] = (
-            results["vllm_hs_fp8"]["acceptance_rate"]
-            / results["vllm_hs"]["acceptance_rate"]
-        )
-    if "hf" in results and "untrained" in results:
-        ratios["hf_minus_untrained"] = (
-            results["hf"]["acceptance_rate"] - results["untrained"]["acceptance_rate"]
-        )
+    ratios = acceptance_ratios(results)
     if settings.work is None:
         shutil.rmtree(work, ignore_errors=True)
-    summary = None
-    if "vllm_hs_over_hf" in ratios:
-        # One figure for the generated table (one run: no spread).
-        r = ratios["vllm_hs_over_hf"]
-        summary = Summary(
-            metric="EAGLE-3 acceptance rate, draft on vllm_hs data / on hf data",
-            higher_is_better=True,
-            aim=AIMS["vllm_hs_over_hf"],
-            median=r,
-            min=r,
-            max=r,
-        )
+    summary = acceptance_summary(
+        ratios, "EAGLE-3 acceptance rate, draft on vllm_hs data / on hf data"
+    )
     rates = ", ".join(f"{k} {v['acceptance_rate']:.3f}" for k, v in results.items())
     return {
         "suite": "acceptance",
@@ -333,9 +362,7 @@ def run(settings: AcceptanceSettings) -> dict[str, Any]:
         "summary": summary,
         "drafts": results,
         "ratios": ratios,
-        "aims": {
-            k: {"aim": v, "met": ratios.get(k, 0.0) >= v} for k, v in AIMS.items()
-        },
+        "aims": aims_met(ratios),
         "settings": {
             **asdict(settings),
             # A label for the table; the directory beside it.

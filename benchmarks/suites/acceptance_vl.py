@@ -43,14 +43,19 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.protocol import option
-from benchmarks.result import Result, Summary
+from benchmarks.result import Result
 from benchmarks.suites.acceptance import (
-    AIMS,
     AcceptanceSettings,
+    acceptance_ratios,
+    acceptance_summary,
+    aims_met,
+    draft_result,
     extract,
     model_layers,
+    train_args,
 )
 from benchmarks.suites.acceptance_stages import run_stage
+from vllm_hs.extract.images import image_urls
 
 DRAFTS = ("vllm_hs", "vllm_hs_fp8", "hf", "untrained")
 #: Image tokens of one image at most (`vllm_hs.models.tiny_vl`'s processor).
@@ -101,19 +106,6 @@ def prepare_inputs(
         [image_urls(c[:1]) for c in heldout],
         [image_urls(c[:1]) for c in train],
     )
-
-
-def image_urls(conversation: list[dict[str, Any]]) -> list[str]:
-    """The image URLs of a conversation's turns, in order."""
-    urls = []
-    for message in conversation:
-        content = message["content"]
-        if isinstance(content, str):
-            continue
-        for part in content:
-            if part.get("type") == "image_url":
-                urls.append(part["image_url"]["url"])
-    return urls
 
 
 def row_images(rows: Path, images: list[list[str]]) -> list[list[str]]:
@@ -202,20 +194,7 @@ def run(settings: AcceptanceSettings) -> dict[str, Any]:
             data_dir = datasets_dir / name
         trained = run_stage(
             "train",
-            {
-                "model": model,
-                "data": str(data_dir),
-                "save": str(work / "drafts" / name),
-                "epochs": settings.epochs,
-                "total_seq_len": settings.total_seq_len,
-                "seed": settings.seed,
-                "layers": settings.layers,
-                "num_speculative_tokens": settings.num_speculative_tokens,
-                "optimizer": settings.optimizer,
-                "lr": settings.lr,
-                "fp8": name == "vllm_hs_fp8",
-                "untrained": name == "untrained",
-            },
+            train_args(settings, model, data_dir, work / "drafts" / name, name),
             logs / f"train-{name}.log",
         )
         seconds[f"train_{name}"] = time.perf_counter() - start
@@ -228,49 +207,20 @@ def run(settings: AcceptanceSettings) -> dict[str, Any]:
             logs / f"serve-{name}.log",
         )  # fmt: skip
         seconds[f"serve_{name}"] = time.perf_counter() - start
-        drafted = counts["draft_tokens"]
-        results[name] = {
-            "acceptance_rate": counts["accepted"] / drafted if drafted else 0.0,
-            "mean_acceptance_length": (
-                1 + counts["accepted"] / counts["drafts"] if counts["drafts"] else 1.0
-            ),
-            **counts,
-        }
+        results[name] = draft_result(counts)
         print(f"{name}: {results[name]}", flush=True)
-    ratios = {}
-    if "vllm_hs" in results and "hf" in results and results["hf"]["acceptance_rate"]:
-        ratios["vllm_hs_over_hf"] = (
-            results["vllm_hs"]["acceptance_rate"] / results["hf"]["acceptance_rate"]
-        )
-    if "vllm_hs_fp8" in results and results.get("vllm_hs", {}).get("acceptance_rate"):
-        ratios["fp8_over_vllm_hs"] = (
-            results["vllm_hs_fp8"]["acceptance_rate"]
-            / results["vllm_hs"]["acceptance_rate"]
-        )
-    if "hf" in results and "untrained" in results:
-        ratios["hf_minus_untrained"] = (
-            results["hf"]["acceptance_rate"] - results["untrained"]["acceptance_rate"]
-        )
+    ratios = acceptance_ratios(results)
     target_info = {}
     info_file = Path(model) / "structured_vl_target.json"
     if info_file.is_file():
         target_info = json.loads(info_file.read_text())
     if settings.work is None:
         shutil.rmtree(work, ignore_errors=True)
-    summary = None
-    if "vllm_hs_over_hf" in ratios:
-        r = ratios["vllm_hs_over_hf"]
-        summary = Summary(
-            metric="EAGLE-3 acceptance rate on image prompts, draft on vllm_hs "
-            "data / on hf data",
-            higher_is_better=True,
-            aim=AIMS["vllm_hs_over_hf"],
-            median=r,
-            min=r,
-            max=r,
-        )
+    summary = acceptance_summary(
+        ratios,
+        "EAGLE-3 acceptance rate on image prompts, draft on vllm_hs data / on hf data",
+    )
     rates = ", ".join(f"{k} {v['acceptance_rate']:.3f}" for k, v in results.items())
-    aims = AIMS
     return {
         "suite": "acceptance_vl",
         "description": (
@@ -282,9 +232,7 @@ def run(settings: AcceptanceSettings) -> dict[str, Any]:
         "summary": summary,
         "drafts": results,
         "ratios": ratios,
-        "aims": {
-            k: {"aim": v, "met": ratios.get(k, 0.0) >= v} for k, v in aims.items()
-        },
+        "aims": aims_met(ratios),
         "target": target_info,
         "settings": {
             **asdict(settings),
