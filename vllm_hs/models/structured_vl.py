@@ -159,21 +159,7 @@ def _write(out: Path, args: dict[str, Any], cache_dir: Path | None) -> None:
         use_sliding_window=False,
         **special,
     )
-    vision_config = dict(
-        depth=2,
-        hidden_size=64,
-        intermediate_size=128,
-        num_heads=2,
-        in_channels=3,
-        hidden_act="silu",
-        patch_size=tiny_vl._PATCH,
-        spatial_merge_size=tiny_vl._MERGE,
-        temporal_patch_size=tiny_vl._TEMPORAL_PATCH,
-        tokens_per_second=2,
-        window_size=2 * tiny_vl._TOKEN_PX,
-        fullatt_block_indexes=[1],
-        out_hidden_size=hidden,
-    )
+    vision_config = tiny_vl.vision_config(out_hidden_size=hidden)
     config = transformers.Qwen2_5_VLConfig(
         text_config=text_config,
         vision_config=vision_config,

@@ -99,6 +99,27 @@ def build_tiny_vl_model(
     return build_cached(f"qwen2_5_vl-{dtype}", args, _write_model, cache_dir)
 
 
+def vision_config(out_hidden_size: int) -> dict[str, Any]:
+    """The tiny vision tower's config (Qwen2.5-VL's vision_config): a windowed
+    and a full-attention block, its merged outputs `out_hidden_size` wide (the
+    language model's hidden size)."""
+    return dict(
+        depth=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_heads=2,
+        in_channels=3,
+        hidden_act="silu",
+        patch_size=_PATCH,
+        spatial_merge_size=_MERGE,
+        temporal_patch_size=_TEMPORAL_PATCH,
+        tokens_per_second=2,
+        window_size=2 * _TOKEN_PX,
+        fullatt_block_indexes=[1],
+        out_hidden_size=out_hidden_size,
+    )
+
+
 def seeded_image(seed: int, width: int = 56, height: int = 56) -> Any:
     """A deterministic RGB noise image (PIL)."""
     from PIL import Image
@@ -168,24 +189,9 @@ def _write_model(out: Path, args: dict[str, Any]) -> None:
         use_sliding_window=False,
         **special,
     )
-    vision_config = dict(
-        depth=2,
-        hidden_size=64,
-        intermediate_size=128,
-        num_heads=2,
-        in_channels=3,
-        hidden_act="silu",
-        patch_size=_PATCH,
-        spatial_merge_size=_MERGE,
-        temporal_patch_size=_TEMPORAL_PATCH,
-        tokens_per_second=2,
-        window_size=2 * _TOKEN_PX,
-        fullatt_block_indexes=[1],
-        out_hidden_size=64,
-    )
     config = transformers.Qwen2_5_VLConfig(
         text_config=text_config,
-        vision_config=vision_config,
+        vision_config=vision_config(out_hidden_size=64),
         image_token_id=ids[IMAGE_TOKEN],
         video_token_id=ids[VIDEO_TOKEN],
         vision_start_token_id=ids[VISION_START],
