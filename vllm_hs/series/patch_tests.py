@@ -44,8 +44,8 @@ class PatchTests:
     patch: str
     tests: tuple[str, ...]
     at_commit: TreeRun | None  # None: the patch adds or changes no test module
-    # Failing tests that do not pass beneath the patch either (or None: no
-    # failures, nothing run beneath).
+    # The failing tests' modules run at the commit beneath the patch (None:
+    # nothing failed, or none of those modules exists there).
     beneath: TreeRun | None = None
 
     @property
@@ -133,9 +133,9 @@ def each_patch(
             run = _run_at(tree_repo, commit, later, name, tests, hf_home, work, timeout)
             beneath_run = None
             failing = [t for t, o in run.outcomes.items() if o in _NOT_PASSING]
-            if failing:
-                files = sorted({t.split("::")[0] for t in failing})
-                present = [f for f in files if _exists_at(repo, f"{commit}^", f)]
+            files = sorted({t.split("::")[0] for t in failing})
+            present = [f for f in files if _exists_at(repo, f"{commit}^", f)]
+            if present:
                 beneath_run = _run_at(
                     tree_repo,
                     f"{commit}^",
@@ -176,11 +176,10 @@ def _run_at(
                     f"{name}: the patch of commit {sha[:12]} does not apply "
                     f"beneath {ref}: {e}"
                 ) from None
-        if not tests:
-            return TreeRun(name)
         return _run_pytest(name, tree_repo.path, tests, hf_home, work, timeout)
     finally:
-        tree_repo.git("cherry-pick", "--abort", check=False)
+        if tree_repo.in_progress():
+            tree_repo.git("cherry-pick", "--abort", check=False)
         tree_repo.git("reset", "-q", "--hard")
 
 

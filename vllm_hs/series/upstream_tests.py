@@ -274,7 +274,9 @@ def _run_each_patch(args: argparse.Namespace) -> int:
     from vllm_hs.series import patch_tests
 
     if args.tests or args.extended:
-        raise VllmHsError("--each-patch runs each patch's own tests: no --tests")
+        raise VllmHsError(
+            "--each-patch runs each patch's own tests: no --tests or --extended"
+        )
     results = patch_tests.each_patch(
         args.version,
         series_root=args.series_dir,
