@@ -20,6 +20,7 @@ from benchmarks.suites import (
     extraction,
     gather,
     generation,
+    hot_path,
     native,
     payload,
     prefix_store,
@@ -128,6 +129,14 @@ SUITES: dict[str, Suite] = {
             ("extract", "states", "plain", "hf"),
             extraction.ExtractionSettings,
             extraction.measure,
+        ),
+        Suite(
+            "hot_path",
+            "the channel's own output path of a step's rows (worker, pickling to "
+            "the engine core): before and after",
+            ("before", "after"),
+            hot_path.HotPathSettings,
+            hot_path.measure,
         ),
         Suite(
             "gather",
