@@ -59,7 +59,12 @@ def test_stage_makes_one_commit_per_patch_on_the_release_tag(
         assert subject.startswith("[")
     bodies = git(tree, "log", "--format=%B", "v0.32.0..hidden-states-v0.32.0")
     statuses = [patch.headers["Upstream-Status"] for patch in series.patches]
-    assert set(statuses) <= {"Pending", "Backport vLLM 0.34.0", "Not-for-upstream"}
+    assert set(statuses) <= {
+        "Pending",
+        "Backport vLLM 0.33.0",
+        "Backport vLLM 0.34.0",
+        "Not-for-upstream",
+    }
     assert bodies.count("Upstream-Status: ") == len(series.patches)
     assert bodies.count("Upstream-Status: Pending") == statuses.count("Pending")
     # Not-for-upstream patches come last.
