@@ -1,5 +1,6 @@
-"""Model Runner V2 on CPU without Triton (the series' first patch: torch
-implementations of its kernels) against Model Runner V1 on the same CPU.
+"""Model Runner V2 on CPU without Triton (the series' Not-for-upstream CPU
+platform patch: torch implementations of its kernels) against Model Runner V1
+on the same CPU.
 
 Each case runs the same requests on an in-process V1 engine and an in-process
 V2 engine (the runner forced with VLLM_USE_V2_MODEL_RUNNER, checked on every
@@ -10,7 +11,9 @@ from torch generators, V2 from Philox per request and position), so the
 seeded case checks what V2 promises instead: the same seed gives the same
 tokens whatever else is in the batch.
 
-Runs in the v2 session only (it starts both runners itself).
+Runs in the v2 session only (it starts both runners itself). Two workers
+(tensor and pipeline parallel) are checked on V2 alone, every row against HF
+(test_engine_features' `test_parallel_workers`).
 """
 
 from __future__ import annotations
@@ -295,31 +298,3 @@ def test_eagle3_speculation(monkeypatch, llama_fp32):
     )
     _assert_same_outputs(v1, v2, "eagle3")
     assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0
-
-
-@pytest.mark.parametrize("parallel", ["tp2", "pp2"])
-def test_two_workers(parallel, monkeypatch, llama_fp32):
-    """Two CPU workers (multiprocess engines): tensor parallel on both
-    runners; pipeline parallel on V2 against a single V1 worker (V1 with two
-    pipeline stages fails on CPU in vLLM 0.32.0, a KeyError in the engine
-    core: vLLM's)."""
-    # Two workers on this one-NUMA-node machine: one core each.
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-    prompts = [seeded_prompt(700 + i, 20 + 9 * i) for i in range(4)]
-    params = greedy(16, logprobs=2)
-    v2_args: dict[str, Any] = {
-        "tensor_parallel_size" if parallel == "tp2" else "pipeline_parallel_size": 2
-    }
-    v1_args = v2_args if parallel == "tp2" else {}
-    outputs = {}
-    for runner, args in (("v1", v1_args), ("v2", v2_args)):
-        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1" if runner == "v2" else "0")
-        vllm.envs.disable_envs_cache()
-        try:
-            with engine(llama_fp32, "mp", **{**BASE, **args}) as llm:
-                outputs[runner] = llm.generate(
-                    [tokens_prompt(p) for p in prompts], params, use_tqdm=False
-                )
-        finally:
-            vllm.envs.disable_envs_cache()
-    _assert_same_outputs(outputs["v1"], outputs["v2"], parallel)

@@ -18,11 +18,20 @@ SERIES_ROOT = Path(__file__).resolve().parents[2] / "patches"
 VERSIONS = available_versions(SERIES_ROOT)
 
 
+@pytest.fixture(scope="module")
+def mypy_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One mypy cache for the versions, as `vllm-hs lint` shares it (torch and
+    transformers are checked once: about 90 s, then about 25 s a version)."""
+    return tmp_path_factory.mktemp("mypy-cache")
+
+
 @pytest.mark.parametrize("version", VERSIONS)
-def test_shipped_series_is_clean(version: str, sdist) -> None:
+def test_shipped_series_is_clean(version: str, sdist, mypy_cache: Path) -> None:
     """For 0.33.0 and 0.34.0 this is the CI check: applies, compiles, passes
     vLLM's ruff and mypy (on the Python files the series adds)."""
-    findings = lint_series(version, series_root=SERIES_ROOT, sdist=sdist[version])
+    findings = lint_series(
+        version, series_root=SERIES_ROOT, sdist=sdist[version], mypy_cache=mypy_cache
+    )
     assert [str(finding) for finding in findings] == []
 
 
@@ -174,6 +183,27 @@ def test_mypy_reports_errors_in_the_modules_the_series_adds(tmp_path: Path) -> N
     tests_error, module_error = sorted(problems)
     assert tests_error.startswith("tests/test_new.py:3: Unsupported operand types")
     assert module_error.startswith("vllm/new.py:2: Incompatible return value type")
+
+    # A cache shared between trees (as `vllm-hs lint` shares it between
+    # versions) hides nothing: the same errors again, and those of another
+    # tree with the same module names.
+    cache = tmp_path / "mypy-cache"
+    assert sorted(mypy_problems(repo, base, cache)) == sorted(problems)
+    assert sorted(mypy_problems(repo, base, cache)) == sorted(problems)
+    other = Repo.init(tmp_path / "other")
+    (other.path / "vllm").mkdir()
+    for name in ("pyproject.toml", "vllm/__init__.py", "vllm/old.py"):
+        shutil.copy(repo.path / name, other.path / name)
+    other.git("add", "-A")
+    other.git("commit", "-q", "-m", "base")
+    other_base = other.git("rev-parse", "HEAD").strip()
+    (other.path / "vllm" / "new.py").write_text(
+        "def f(x: int) -> str:\n    return str(x)\n\n\nZ: int = f(2)\n"
+    )
+    other.git("add", "-A")
+    other.git("commit", "-q", "-m", "series")
+    (moved,) = mypy_problems(other, other_base, cache)
+    assert moved.startswith("vllm/new.py:5: Incompatible types in assignment")
 
 
 def test_a_backport_names_the_release_it_comes_from() -> None:

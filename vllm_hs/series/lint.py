@@ -28,6 +28,7 @@ For each series (default: every `patches/v<X>/`):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import logging
@@ -131,16 +132,20 @@ def run_lint(args: argparse.Namespace) -> int:
     if args.sdist is not None and len(versions) != 1:
         raise VllmHsError("--sdist needs exactly one --version")
     findings: list[Finding] = []
-    for version in versions:
-        found = lint_series(
-            version,
-            series_root=series_root,
-            sdist=args.sdist,
-            ruff=not args.no_ruff,
-            mypy=not args.no_mypy,
-        )
-        findings += found
-        print(f"v{version}: {'ok' if not found else f'{len(found)} problem(s)'}")
+    # One mypy cache for every version: what the trees import from outside
+    # (torch, transformers) is checked once, not once per version.
+    with tempfile.TemporaryDirectory(prefix="vllm-hs-mypy-") as mypy_cache:
+        for version in versions:
+            found = lint_series(
+                version,
+                series_root=series_root,
+                sdist=args.sdist,
+                ruff=not args.no_ruff,
+                mypy=not args.no_mypy,
+                mypy_cache=Path(mypy_cache),
+            )
+            findings += found
+            print(f"v{version}: {'ok' if not found else f'{len(found)} problem(s)'}")
     for finding in findings:
         print(finding)
     return EXIT_ERROR if findings else EXIT_OK
@@ -153,7 +158,11 @@ def lint_series(
     sdist: Path | None = None,
     ruff: bool = True,
     mypy: bool = True,
+    mypy_cache: Path | None = None,
 ) -> list[Finding]:
+    """The problems of series `version`. `mypy_cache` (default: a fresh
+    directory) may be shared between calls: mypy rechecks a module whose
+    source differs from the cached one, and never caches one with errors."""
     series_root = series_root or default_series_root()
     try:
         series = load_series(series_root, version)
@@ -186,7 +195,7 @@ def lint_series(
         if mypy and not any(finding.check == "compile" for finding in findings):
             findings += [
                 Finding(version, None, "mypy", message)
-                for message in mypy_problems(repo, base)
+                for message in mypy_problems(repo, base, mypy_cache)
             ]
     return findings
 
@@ -328,10 +337,10 @@ def ruff_problems(repo: Repo, base: str) -> list[str]:
     return problems
 
 
-def mypy_problems(repo: Repo, base: str) -> list[str]:
+def mypy_problems(repo: Repo, base: str, cache: Path | None = None) -> list[str]:
     """mypy errors in the Python files the commits since base add under vllm/
-    and tests/, with the tree's configuration; [] (and a warning) where mypy
-    is not installed."""
+    and tests/, with the tree's configuration (and mypy cache `cache`, default
+    a fresh one); [] (and a warning) where mypy is not installed."""
     if importlib.util.find_spec("mypy") is None:
         logger.warning(
             "mypy is not installed: the series' modules are not type-checked"
@@ -345,7 +354,11 @@ def mypy_problems(repo: Repo, base: str) -> list[str]:
     )
     if not files:
         return []
-    with tempfile.TemporaryDirectory(prefix="vllm-hs-mypy-") as cache:
+    with contextlib.ExitStack() as stack:
+        if cache is None:
+            cache = Path(
+                stack.enter_context(tempfile.TemporaryDirectory(prefix="vllm-hs-mypy-"))
+            )
         checked = run(
             [
                 sys.executable,
@@ -356,7 +369,7 @@ def mypy_problems(repo: Repo, base: str) -> list[str]:
                 "--python-version",
                 MYPY_PYTHON_VERSION,
                 "--cache-dir",
-                cache,
+                str(cache),
                 "--no-error-summary",
                 "--show-error-codes",
                 *files,

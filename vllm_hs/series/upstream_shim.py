@@ -1,10 +1,12 @@
 """pytest plugin loaded into vLLM's own test runs by `vllm-hs upstream-tests`.
 
 Offline, vLLM retries Hugging Face lookups that cannot succeed (for example
-`try_get_safetensors_metadata`, an API call with no cache), sleeping 2 s before
-giving up, for every ModelConfig a test builds: ~2 s per scheduler test. This
-shim makes `OfflineModeIsEnabled` a definitive answer for `with_retry`, so such a
-lookup fails at once with the same outcome.
+`try_get_safetensors_metadata`, an API call with no cache, or the config of a
+model the offline hub does not hold), sleeping 2 s before giving up, for every
+ModelConfig or tokenizer a test builds: ~2 s per scheduler test. This shim makes
+`OfflineModeIsEnabled` a definitive answer for `with_retry`, and retries other
+failures without sleeping (nothing can change offline), so such a lookup fails
+at once with the same outcome.
 
 vLLM's autouse `cleanup_fixture` calls `cleanup_dist_env_and_memory()` after every
 test: `gc.unfreeze()` then a full `gc.collect()` over the ~640k objects that
@@ -41,7 +43,7 @@ def pytest_configure(config: Any) -> None:
 
     def with_retry(func, log_msg, max_retries=2, retry_delay=2, fatal_errors=()):
         fatal = (*tuple(fatal_errors), OfflineModeIsEnabled)
-        return original(func, log_msg, max_retries, retry_delay, fatal)
+        return original(func, log_msg, max_retries, 0, fatal)
 
     repo_utils.with_retry = with_retry
     if getattr(config_utils, "with_retry", None) is original:
