@@ -47,7 +47,7 @@ def test_preemption_and_recompute(mode, llama_fp32):
 @pytest.mark.parametrize("mode", MODES)
 def test_qwen3_bf16(mode, qwen3_bf16):
     """Second architecture, bf16 weights: states keep the model's dtype.
-    Eager in both modes (compiling it took ~60 s of CI time): compiled engines
+    Eager in both modes (compiling it took ~40 s of CI time): compiled engines
     are the shared multiprocess ones (tests/engine/conftest.py) and the
     compiled architectures of test_architectures."""
     layers = [1, -1, "final_norm"]
